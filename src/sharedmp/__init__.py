@@ -1,0 +1,23 @@
+"""sharedmp: multiprocessing with arrays in shared memory, for every array library.
+
+``import sharedmp as mp`` offers every name of ``multiprocessing`` with the same
+meaning, plus the sharing strategies, shared NumPy allocation and torch-style helpers.
+Importing it registers the reducers with ``ForkingPickler``; it never imports torch.
+"""
+import multiprocessing as _multiprocessing
+from multiprocessing import *  # noqa: F401,F403  -- the standard surface, unchanged
+
+from . import reductions as _reductions
+from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
+from .errors import OutOfSharedMemory, ProtocolError, SegmentError
+from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
+
+__version__ = "0.1.0"
+
+__all__ = list(_multiprocessing.__all__) + [
+    "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
+    "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
+    "OutOfSharedMemory", "SegmentError", "ProtocolError",
+]
+
+_reductions.register()

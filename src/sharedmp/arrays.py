@@ -1,0 +1,112 @@
+"""NumPy arrays in shared memory: allocation, ``share``, ``is_shared``, ``share_memory_``."""
+import math
+import operator
+
+import numpy as np
+
+from .memory import arena, segment
+from .strategy import get_sharing_strategy
+
+
+def _shape(shape):
+    shape = (shape,) if isinstance(shape, int) or np.ndim(shape) == 0 else tuple(shape)
+    shape = tuple(operator.index(n) for n in shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    return shape
+
+
+def _plain_dtype(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise TypeError(f"dtype {dtype} holds Python objects, which cannot live in shared memory; "
+                        "use a numeric, bool, string or structured dtype without objects")
+    return dtype
+
+
+def empty(shape, dtype=float, order="C"):
+    """A shared array of ``shape`` and ``dtype``; its contents are zero (fresh memory)."""
+    shape, dtype = _shape(shape), _plain_dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    mapping, offset = arena.allocate(nbytes, get_sharing_strategy())
+    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order=order)
+
+
+def zeros(shape, dtype=float, order="C"):
+    """A shared array of zeros (memory is never handed out twice, so it is already zero)."""
+    return empty(shape, dtype, order)
+
+
+def full(shape, fill_value, dtype=None, order="C"):
+    """A shared array filled with ``fill_value``."""
+    a = empty(shape, np.array(fill_value).dtype if dtype is None else dtype, order)
+    a[...] = fill_value
+    return a
+
+
+def empty_like(a, dtype=None, shape=None):
+    """A shared array with the shape and dtype of ``a``."""
+    a = np.asarray(a)
+    return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
+
+
+def zeros_like(a, dtype=None, shape=None):
+    """A shared array of zeros with the shape and dtype of ``a``."""
+    return empty_like(a, dtype, shape)
+
+
+def mapping_of(a):
+    """(mapping, Segment) of the shared memory under ndarray ``a``, or (None, None)."""
+    root = a
+    while isinstance(root, np.ndarray):
+        root = root.base
+    if isinstance(root, memoryview):
+        root = root.obj
+    return root, (segment.segment_of(root) if root is not None else None)
+
+
+def _extent(shape, strides, itemsize):
+    """(lowest, end) byte offsets touched by a view, relative to its data pointer."""
+    if 0 in shape:
+        return 0, 0
+    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return lo, hi + itemsize
+
+
+def copy_to_shared(a):
+    """A shared copy of ``a`` with the same strides where that costs at most twice its bytes."""
+    _plain_dtype(a.dtype)
+    lo, end = _extent(a.shape, a.strides, a.itemsize)
+    if end - lo > 2 * a.nbytes + 4096:   # e.g. a[::1000]: copy the elements, not the gaps
+        out = empty(a.shape, a.dtype)
+    else:
+        mapping, offset = arena.allocate(end - lo, get_sharing_strategy())
+        out = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=offset - lo, strides=a.strides)
+    np.copyto(out, a, casting="no")
+    if not a.flags.writeable:
+        out.flags.writeable = False
+    return out
+
+
+def share(obj):
+    """``obj`` in shared memory: a NumPy array is copied once (or returned if already shared)."""
+    if isinstance(obj, np.ndarray):
+        return obj if mapping_of(obj)[1] is not None else copy_to_shared(obj)
+    raise TypeError(f"mp.share() takes a NumPy array, not {type(obj).__name__}")
+
+
+def share_memory_(obj):
+    """Move ``obj`` into shared memory in place (torch tensors, storages and modules)."""
+    if isinstance(obj, np.ndarray):
+        raise TypeError("a NumPy array cannot move into shared memory in place (its buffer is fixed); "
+                        "use `a = mp.share(a)`, which returns a shared copy")
+    raise TypeError(f"mp.share_memory_() takes a torch tensor, storage or module, not {type(obj).__name__}")
+
+
+def is_shared(obj):
+    """Whether ``obj``'s memory is shared (sharedmp's, or torch's for tensors)."""
+    if isinstance(obj, np.ndarray):
+        return mapping_of(obj)[1] is not None
+    method = getattr(obj, "is_shared", None)
+    return bool(method()) if callable(method) else False

@@ -1,0 +1,56 @@
+"""Packing: small arrays are carved from shared arenas, big ones get a segment each.
+
+One segment per small array is what makes torch hold one fd per tensor. Here a
+process carves arrays below ``SMALL_LIMIT`` out of the current ``ARENA_SIZE`` arena of
+its strategy with a 64-byte aligned bump pointer, so 10,000 small arrays cost a handful
+of segments, and a message that references many of them carries one fd per arena.
+
+A region is never handed out twice: other processes may still see it and there is no
+cheap cross-process free. The price: one live small array keeps its whole arena
+(at most ``ARENA_SIZE`` bytes) alive. Fresh memory is zero, so ``zeros`` needs no fill.
+"""
+import os
+import threading
+
+from . import segment
+
+ARENA_SIZE = 4 << 20
+SMALL_LIMIT = 1 << 20      # arrays below this go to an arena
+ALIGN = 64
+
+
+class _Arena:
+    __slots__ = ("mapping", "used")
+
+    def __init__(self, kind):
+        _, self.mapping = segment.create(ARENA_SIZE, kind)
+        self.used = 0
+
+
+_current = {}              # strategy -> its current _Arena
+_lock = threading.Lock()
+
+
+def allocate(nbytes, kind):
+    """Fresh zeroed shared memory: (mapping, offset) with ``nbytes`` bytes at offset."""
+    if nbytes >= SMALL_LIMIT:
+        return segment.create(nbytes, kind)[1], 0
+    with _lock:
+        arena = _current.get(kind)
+        if arena is None or arena.used + nbytes > ARENA_SIZE:
+            # The old arena stays alive as long as arrays carved from it do.
+            arena = _current[kind] = _Arena(kind)
+        offset = arena.used
+        arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
+        return arena.mapping, offset
+
+
+def _after_fork_in_child():
+    # The parent keeps carving its arenas; a child carving the same ones would hand
+    # out regions twice. Children start arenas of their own.
+    global _lock
+    _lock = threading.Lock()
+    _current.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,299 @@
+"""Segments: blocks of shared memory, one owner object per fd and per mapping.
+
+A segment is created by one process and attached by others::
+
+    create(size, "file_descriptor")   memfd_create -> posix_fallocate -> seal -> mmap
+    create(size, "file_system")       open(O_CREAT|O_EXCL, 0600) in SHM_DIR -> fallocate -> mmap
+    attach_fd(fd)                     fstat (identity, size, seals) -> mmap, once per process
+    attach_name(name)                 open(name) -> fstat -> mmap -> close, once per process
+
+The mapping is a ``mmap.mmap``; NumPy arrays view it (``ndarray(buffer=mm)``), so the
+mapping lives exactly as long as some view does. A ``weakref.finalize`` on the mapping
+then releases what the segment still owns: its fd, and for a named segment created
+here, the name (only the creating process unlinks; a process that merely attached
+never does -- the mistake of CPython 3.11's shared_memory, gh-82300).
+
+Memory is reserved when the segment is made (``posix_fallocate``): running out raises
+``OutOfSharedMemory`` here, instead of SIGBUS at the first touch of a page. memfd
+segments are sealed against shrinking and growing, so no peer can truncate one under
+a reader; a receiver checks the seals and the size before it builds a view.
+
+All platform branches of sharedmp's memory live in this module.
+"""
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import stat
+import sys
+import threading
+import weakref
+
+from ..errors import OutOfSharedMemory, SegmentError
+
+HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
+SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if HAVE_MEMFD else 0
+SHM_DIR_ENV = "SHAREDMP_SHM_DIR"
+PREFIX = "sharedmp_"
+# 80 random bits, short enough for macOS's 31-character shm names.
+_NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def shm_dir():
+    """Where named segments live: $SHAREDMP_SHM_DIR, else /dev/shm."""
+    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
+
+
+class Segment:
+    """What this process knows of one segment; the mapping itself is held by the arrays."""
+
+    __slots__ = ("kind", "key", "size", "fd", "name", "address", "owner_pid", "mapping", "__weakref__")
+
+    def __init__(self, kind, key, size, fd, name, mm, owner):
+        self.kind = kind          # "file_descriptor" | "file_system"
+        self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
+        self.size = size
+        self.fd = fd              # kept (memfd) so that this process can send it on; -1 if none
+        self.name = name
+        self.owner_pid = os.getpid() if owner else None
+        self.mapping = weakref.ref(mm)
+        self.address = _address(mm)
+
+    def __repr__(self):
+        return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
+
+
+# id(mapping) -> Segment, and key -> Segment, for the live mappings of this process.
+_by_mapping = {}
+_by_key = {}
+_lock = threading.Lock()
+
+
+def _address(mm):
+    import ctypes  # deferred: only needed once per mapping
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+def _register(seg, mm):
+    with _lock:
+        _by_mapping[id(mm)] = seg
+        _by_key[seg.key] = seg
+    weakref.finalize(mm, _release, seg, id(mm))
+
+
+def _release(seg, mapping_id):
+    """The last view of the mapping is gone: forget it, close its fd, unlink if ours."""
+    with _lock:
+        if _by_mapping.get(mapping_id) is seg:
+            del _by_mapping[mapping_id]
+        if _by_key.get(seg.key) is seg:
+            del _by_key[seg.key]
+    if seg.fd >= 0:
+        fd, seg.fd = seg.fd, -1
+        os.close(fd)
+    if seg.name is not None and seg.owner_pid == os.getpid():
+        try:
+            os.unlink(os.path.join(shm_dir(), seg.name))
+        except FileNotFoundError:
+            pass
+
+
+def segment_of(mm):
+    """The Segment behind a mapping object, or None if it is not one of ours."""
+    seg = _by_mapping.get(id(mm))
+    return seg if seg is not None and seg.mapping() is mm else None
+
+
+def live_segments():
+    """The segments this process maps now (for diagnostics and tests)."""
+    with _lock:
+        return list(_by_key.values())
+
+
+def _map(fd, size):
+    # Python's mmap keeps a dup of the fd for as long as the mapping lives (3.13 adds
+    # trackfd=False to avoid it); the segment's own fd stays with the Segment.
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def _available_memory():
+    """Bytes that can still be made resident: MemAvailable + SwapFree, capped by the cgroup."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        avail = (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
+        for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),):
+            try:
+                with open(limit) as f:
+                    lim = f.read().strip()
+                if lim != "max":
+                    with open(used) as f:
+                        avail = min(avail, int(lim) - int(f.read()))
+            except OSError:
+                pass
+    except (OSError, KeyError, ValueError):
+        pass
+    return avail
+
+
+def _reserve(fd, size, what, hint):
+    """Reserve the pages now so that a shortage is an exception, not SIGBUS at first touch."""
+    try:
+        if HAVE_FALLOCATE:
+            os.posix_fallocate(fd, 0, size)
+        else:  # macOS: no fallocate for shm objects; ftruncate is what there is.
+            os.ftruncate(fd, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
+            raise OutOfSharedMemory(
+                f"cannot reserve {_fmt(size)} of shared memory in {what}: {os.strerror(e.errno)}. "
+                f"{hint}") from None
+        raise
+
+
+def _fmt(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def create(size, kind):
+    """A new segment of ``size`` bytes, mapped here; returns (segment, mapping)."""
+    if size <= 0:
+        raise ValueError(f"segment size must be > 0, not {size}")
+    avail = _available_memory()
+    if avail is not None and size > avail:
+        raise OutOfSharedMemory(
+            f"cannot reserve {_fmt(size)} of shared memory: this machine has only "
+            f"{_fmt(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
+            "Use smaller arrays, free memory, or allocate in chunks.")
+    if kind == "file_descriptor":
+        return _create_memfd(size)
+    if kind == "file_system":
+        return _create_named(size)
+    raise ValueError(f"unknown segment kind {kind!r}")
+
+
+def _create_memfd(size):
+    if not HAVE_MEMFD:
+        raise OSError("the file_descriptor strategy needs memfd_create (Linux); use 'file_system'")
+    fd = os.memfd_create("sharedmp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        _reserve(fd, size, "an anonymous memfd segment",
+                 "Free memory or use smaller arrays; memfd memory counts against RAM and the cgroup limit.")
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        st = os.fstat(fd)
+        mm = _map(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, fd, None, mm, owner=True)
+    _register(seg, mm)
+    return seg, mm
+
+
+def _create_named(size):
+    directory = shm_dir()
+    while True:
+        name = PREFIX + secrets.token_hex(10)
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW, 0o600)
+            break
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            raise OutOfSharedMemory(
+                f"the shared-memory directory {directory!r} does not exist; "
+                f"point ${SHM_DIR_ENV} at a tmpfs directory or use the 'file_descriptor' strategy") from None
+    try:
+        try:
+            _reserve(fd, size, directory,
+                     f"{directory} is full: make it larger (mount -o remount,size=...), point "
+                     f"${SHM_DIR_ENV} at a bigger tmpfs, or use the 'file_descriptor' strategy.")
+            mm = _map(fd, size)
+        finally:
+            os.close(fd)  # the mapping keeps the memory; the name is how others find it
+    except BaseException:
+        os.unlink(path)
+        raise
+    seg = Segment("file_system", name, size, -1, name, mm, owner=True)
+    _register(seg, mm)
+    return seg, mm
+
+
+def attach_fd(fd):
+    """The mapping of the memfd ``fd`` (borrowed: the caller still closes it), mapped once per process."""
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        raise SegmentError(f"received fd {fd} is not usable: {e}") from None
+    key = (st.st_dev, st.st_ino)
+    with _lock:
+        seg = _by_key.get(key)
+        mm = seg.mapping() if seg is not None else None
+    if mm is not None:
+        return mm
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular file)")
+    if HAVE_MEMFD:
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+            raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
+                               "it under this process (SIGBUS), so it is refused")
+    own = os.dup(fd)
+    try:
+        mm = _map(own, st.st_size)
+    except BaseException:
+        os.close(own)
+        raise
+    seg = Segment("file_descriptor", key, st.st_size, own, None, mm, owner=False)
+    _register(seg, mm)
+    return mm
+
+
+def attach_name(name):
+    """The mapping of the named segment ``name``, mapped once per process."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise SegmentError(f"{name!r} is not a sharedmp segment name")
+    with _lock:
+        seg = _by_key.get(name)
+        mm = seg.mapping() if seg is not None else None
+    if mm is not None:
+        return mm
+    path = os.path.join(shm_dir(), name)
+    try:
+        fd = os.open(path, os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW)
+    except FileNotFoundError:
+        raise SegmentError(
+            f"shared-memory segment {name} no longer exists in {shm_dir()}: its creator released it "
+            "before this process attached. Keep the array alive in the sender until it is received, "
+            "or use the 'file_descriptor' strategy.") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:
+            raise SegmentError(f"{path} is not a segment of this user")
+        mm = _map(fd, st.st_size)
+    finally:
+        os.close(fd)
+    seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False)
+    _register(seg, mm)
+    return mm
+
+
+def _after_fork_in_child():
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,35 @@
+"""How a segment travels: its fd (in band on sharedmp channels, DupFd elsewhere) or its name.
+
+Pickling a ``Segment`` yields the receiver's mapping of it. Every array of a message that
+views one segment refers to the same Segment object, so pickle's memo sends it once.
+"""
+import os
+
+from multiprocessing.reduction import DupFd
+
+from ..channels import fdpass
+from ..memory import segment
+
+
+def reduce_segment(seg):
+    if seg.kind == "file_system":
+        return segment.attach_name, (seg.name,)
+    oob = fdpass.current()
+    if oob is not None:
+        return rebuild_fd_in_band, (oob.add(seg.fd),)
+    return rebuild_fd_dup, (DupFd(seg.fd),)
+
+
+def rebuild_fd_in_band(index):
+    oob = fdpass.current()
+    if oob is None:
+        raise RuntimeError("an in-band segment fd can only be unpickled by a sharedmp channel")
+    return segment.attach_fd(oob.get(index))  # the channel closes the fds it received
+
+
+def rebuild_fd_dup(dupfd):
+    fd = dupfd.detach()
+    try:
+        return segment.attach_fd(fd)
+    finally:
+        os.close(fd)

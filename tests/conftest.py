@@ -1,0 +1,116 @@
+"""Shared fixtures: start methods, and a leak check around every test.
+
+The leak check fails a test that leaves behind, once it has ended:
+- a child process (killed by pid, then reported),
+- a ``sharedmp_*`` file in the shared-memory directory that was not there before
+  (polled for up to 5 s: releases may trail the last process by a moment),
+- an fd of this process that was not open before and points to a sharedmp segment.
+"""
+import gc
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+import sharedmp as mp
+from sharedmp.memory import arena, segment
+
+START_METHODS = ["fork", "spawn", "forkserver"]
+TIMEOUT = 60  # seconds for any join/get in a test
+
+
+def shm_files():
+    """sharedmp_* files in the shared-memory directory, except the current arenas'."""
+    keep = {segment.segment_of(a.mapping).name for a in arena._current.values()}
+    try:
+        names = os.listdir(segment.shm_dir())
+    except FileNotFoundError:
+        return set()
+    return {n for n in names if n.startswith(segment.PREFIX) and n not in keep}
+
+
+def segment_fds():
+    """fds of this process that point to a sharedmp segment, except the current arenas'.
+
+    The allocator keeps its current arena (and so its fds) on purpose, across tests.
+    """
+    keep = set()
+    for a in arena._current.values():
+        seg = segment.segment_of(a.mapping)
+        if seg is not None and seg.fd >= 0:
+            st = os.fstat(seg.fd)
+            keep.add((st.st_dev, st.st_ino))
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (target.startswith("/memfd:sharedmp") or segment.PREFIX in target) \
+                and (st.st_dev, st.st_ino) not in keep:
+            out.add(int(name))
+    return out
+
+
+def kill_children():
+    """Kill every child of this process by pid; return how many were still alive."""
+    alive = multiprocessing.active_children()
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.join(5)
+    return len(alive)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    strategy = os.environ.get(mp.strategy.ENV)
+    shm_before, fds_before = shm_files(), segment_fds()
+    yield
+    if strategy is None:
+        os.environ.pop(mp.strategy.ENV, None)
+    else:
+        os.environ[mp.strategy.ENV] = strategy
+    stray = kill_children()
+    if request.node.get_closest_marker("leaks_ok"):
+        return
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while (left := shm_files() - shm_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    fds = segment_fds() - fds_before
+    problems = []
+    if stray:
+        problems.append(f"{stray} child process(es) still alive after the test (killed)")
+    if left:
+        problems.append(f"segments left in {segment.shm_dir()}: {sorted(left)[:5]}")
+    if fds:
+        problems.append(f"segment fds left open: {sorted(fds)[:10]}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture(params=START_METHODS)
+def ctx(request):
+    """A multiprocessing context for each start method."""
+    return multiprocessing.get_context(request.param)
+
+
+def join_or_kill(proc, timeout=TIMEOUT):
+    """Join ``proc``; kill it and fail if it is still running after ``timeout``."""
+    proc.join(timeout)
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+        pytest.fail(f"process {proc.pid} did not finish within {timeout} s", pytrace=False)
+    return proc.exitcode
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "leaks_ok: the test checks leaks itself")
