@@ -9,6 +9,7 @@ from multiprocessing import *  # noqa: F401,F403  -- the standard surface, uncha
 
 from . import reductions as _reductions
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
+from .channels.context import JoinableQueue, Pipe, Pool, Queue, SimpleQueue, get_context
 from .errors import OutOfSharedMemory, ProtocolError, SegmentError
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 

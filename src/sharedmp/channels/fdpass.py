@@ -7,6 +7,10 @@ as the frame (SCM_RIGHTS). While it unpickles, the rebuild functions look the
 received fds up by index. Outside a sharedmp channel there is no ``OutOfBand`` and the
 reducers fall back to multiprocessing's ``DupFd``.
 """
+import array
+import os
+import socket
+import struct
 import threading
 
 from ..errors import ProtocolError
@@ -47,3 +51,121 @@ def swap(oob):
     prev = getattr(_local, "oob", None)
     _local.oob = oob
     return prev
+
+
+# ---------------------------------------------------------------------------------------
+# Frames on an AF_UNIX stream socket.
+#
+#   header  <2sBBIQ: magic b"SM", version, flags, fd count, payload length (16 bytes)
+#           sent with the first <= 253 fds (SCM_MAX_FD) in SCM_RIGHTS
+#   marker  one byte b"+" per further batch of <= 253 fds (a message may reference more)
+#   payload the pickled bytes
+#
+# A receiver checks the magic, that the fds that arrived are the fds announced (and that
+# the kernel truncated none: MSG_CTRUNC), that the length is sane and that the peer does
+# not close mid-frame; each failure is a ProtocolError, and the fds that did arrive are
+# closed. A claimed length is never allocated up front beyond what has arrived.
+# ---------------------------------------------------------------------------------------
+
+HEADER = struct.Struct("<2sBBIQ")
+MAGIC = b"SM"
+VERSION = 1
+MAX_FDS_PER_MSG = 253                 # SCM_MAX_FD in the Linux kernel
+MAX_FDS = 1 << 16                     # a sane bound on the fds of one message
+MAX_PAYLOAD = 1 << 40                 # a sane bound on one message's bytes (1 TiB)
+_EAGER = 16 << 20                     # payloads up to this size are allocated at once
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+
+
+def _rights(fds):
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+
+
+def send_frame(sock, payload, fds=(), flags=0):
+    """Send one frame: the header with the fds, then the payload (blocking)."""
+    payload = memoryview(payload).cast("B")
+    header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
+    first, rest = fds[:MAX_FDS_PER_MSG], fds[MAX_FDS_PER_MSG:]
+    small = len(payload) <= 65536 and not rest
+    sent = sock.sendmsg([header, payload] if small else [header], _rights(first) if first else [])
+    total = len(header) + (len(payload) if small else 0)
+    if sent < len(header):            # a stream socket may take a part; the fds went with it
+        sock.sendall(header[sent:])
+        sent = len(header)
+    for i in range(0, len(rest), MAX_FDS_PER_MSG):
+        sock.sendmsg([b"+"], _rights(rest[i:i + MAX_FDS_PER_MSG]))
+    if small:
+        if sent < total:
+            sock.sendall(payload[sent - len(header):])
+    else:
+        sock.sendall(payload)
+
+
+def close_all(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _take_fds(ancdata, msg_flags, fds):
+    """Append the fds of a recvmsg result to ``fds``; raise if the kernel dropped some."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[:len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    if msg_flags & socket.MSG_CTRUNC:
+        raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
+                            "receiver's fd limit is too low (raise it with `ulimit -n`)")
+
+
+def _recv_exact(sock, n, what):
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ProtocolError(f"peer closed the connection in the middle of a frame ({what})")
+        got += k
+    return buf
+
+
+def recv_frame(sock):
+    """Receive one frame: (payload bytearray, fds, flags). EOFError on a clean end of stream."""
+    fds = []
+    try:
+        data, ancdata, msg_flags, _ = sock.recvmsg(HEADER.size, _CMSG_SPACE, _CLOEXEC)
+        _take_fds(ancdata, msg_flags, fds)
+        if not data:
+            raise EOFError("the other end of the channel was closed")
+        if len(data) < HEADER.size:
+            data += _recv_exact(sock, HEADER.size - len(data), "header")
+        magic, version, flags, nfds, length = HEADER.unpack(data)
+        if magic != MAGIC or version != VERSION:
+            raise ProtocolError(f"not a sharedmp frame (header {bytes(data)!r}): the peer is not "
+                                "a sharedmp channel of this version, or the stream is corrupt")
+        if nfds > MAX_FDS or length > MAX_PAYLOAD:
+            raise ProtocolError(f"frame announces {nfds} fds and {length} bytes: over the sane bounds")
+        if len(fds) != min(nfds, MAX_FDS_PER_MSG):
+            raise ProtocolError(f"frame announces {nfds} fds but {len(fds)} arrived with its header")
+        while len(fds) < nfds:
+            data, ancdata, msg_flags, _ = sock.recvmsg(1, _CMSG_SPACE, _CLOEXEC)
+            before = len(fds)
+            _take_fds(ancdata, msg_flags, fds)
+            if data != b"+" or len(fds) == before or len(fds) > nfds:
+                raise ProtocolError(f"frame announces {nfds} fds but the fd batches that follow "
+                                    "do not match")
+        if length <= _EAGER:
+            payload = _recv_exact(sock, length, "payload")
+        else:                          # grow as data arrives: a lying length costs nothing
+            payload = bytearray()
+            while len(payload) < length:
+                payload += _recv_exact(sock, min(length - len(payload), max(_EAGER, len(payload))),
+                                       "payload")
+        return payload, fds, flags
+    except BaseException:
+        close_all(fds)
+        raise

@@ -13,10 +13,16 @@ def reduce_ndarray(a):
         a = copy_to_shared(a)
         mapping, seg = mapping_of(a)
     offset = a.__array_interface__["data"][0] - seg.address
-    return rebuild_ndarray, (seg, offset, a.shape, a.strides, a.dtype, not a.flags.writeable)
+    dtype = a.dtype
+    # A plain dtype travels as its string ('<f8'): pickling the dtype object costs more
+    # than everything else in the message.
+    dtype = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
+    return rebuild_ndarray, (seg, offset, a.shape, a.strides, dtype, not a.flags.writeable)
 
 
 def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
+    if isinstance(dtype, str):
+        dtype = np.dtype(dtype)
     if not isinstance(dtype, np.dtype) or dtype.hasobject or len(shape) != len(strides):
         raise SegmentError(f"malformed array header: dtype={dtype!r} shape={shape!r} strides={strides!r}")
     lo, end = _extent(shape, strides, dtype.itemsize)

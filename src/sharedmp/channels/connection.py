@@ -1,0 +1,215 @@
+"""Connections over AF_UNIX stream sockets that carry the fds of what they send.
+
+The path of one array (compare multiprocessing.connection, changed: frames carry fds)::
+
+    send(obj) -- dumps: ForkingPickler with an OutOfBand current; the segment reducers put
+                 each segment's fd into it once and pickle its index
+              -- fdpass.send_frame: header + fds (SCM_RIGHTS) + payload, one sendmsg when small
+                 (the kernel now holds the fds: the sender may exit)
+    recv()    -- fdpass.recv_frame: header + fds + payload
+              -- loads: unpickle with OutOfBand(fds) current; each segment is mapped once per
+                 process (cached by inode), then every received fd is closed
+              -- the array is a view of that mapping; the mapping lives as long as a view does
+
+No connection back to the sender, ever (torch's file_descriptor strategy opens one per
+tensor through multiprocessing's resource sharer).
+"""
+import copyreg
+import io
+import os
+import pickle
+import select
+import socket
+from multiprocessing.reduction import DupFd, ForkingPickler
+
+from . import fdpass
+
+SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
+
+
+class _Pickler(pickle.Pickler):
+    """ForkingPickler's reducers without copying its dispatch table for every message."""
+
+    _source = None
+
+    @classmethod
+    def refresh(cls):
+        # ForkingPickler copies copyreg's table and its registrations on every __init__
+        # (a few microseconds per message); reuse the merged table until either changes.
+        source = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))
+        if cls._source != source:
+            table = dict(copyreg.dispatch_table)
+            table.update(ForkingPickler._extra_reducers)
+            cls.dispatch_table, cls._source = table, source
+
+
+def dumps(obj):
+    """(payload, fds) of ``obj``: the pickled bytes and the fds it references (borrowed)."""
+    oob = fdpass.OutOfBand()
+    prev = fdpass.swap(oob)
+    try:
+        buf = io.BytesIO()
+        _Pickler.refresh()
+        _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    finally:
+        fdpass.swap(prev)
+    return buf.getbuffer(), oob.fds
+
+
+def loads(payload, fds):
+    """The object of a received frame; closes the received fds whatever happens."""
+    prev = fdpass.swap(fdpass.OutOfBand(fds))
+    try:
+        return pickle.loads(payload)
+    finally:
+        fdpass.swap(prev)
+        fdpass.close_all(fds)
+
+
+def socketpair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+            except OSError:
+                pass
+    return a, b
+
+
+class Connection:
+    """One end of a sharedmp Pipe; the API of multiprocessing.connection.Connection."""
+
+    def __init__(self, sock, readable=True, writable=True):
+        if not readable and not writable:
+            raise ValueError("at least one of `readable` and `writable` must be True")
+        self._sock = sock
+        self._readable = readable
+        self._writable = writable
+
+    def __repr__(self):
+        state = "closed" if self._sock is None else f"fd={self._sock.fileno()}"
+        return f"<sharedmp.Connection {state}>"
+
+    @property
+    def closed(self):
+        return self._sock is None
+
+    @property
+    def readable(self):
+        return self._readable
+
+    @property
+    def writable(self):
+        return self._writable
+
+    def _check(self, read=False, write=False):
+        if self._sock is None:
+            raise OSError("handle is closed")
+        if read and not self._readable:
+            raise OSError("connection is write-only")
+        if write and not self._writable:
+            raise OSError("connection is read-only")
+        return self._sock
+
+    def fileno(self):
+        return self._check().fileno()
+
+    def close(self):
+        if self._sock is not None:
+            sock, self._sock = self._sock, None
+            sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def send(self, obj):
+        """Send a picklable object; the fds of the arrays in it travel in the same message."""
+        sock = self._check(write=True)
+        payload, fds = dumps(obj)
+        fdpass.send_frame(sock, payload, fds)
+
+    def recv(self):
+        """Receive an object sent with send()."""
+        payload, fds, _ = fdpass.recv_frame(self._check(read=True))
+        return loads(payload, fds)
+
+    def send_bytes(self, buf, offset=0, size=None):
+        """Send a bytes-like object (or the part of it at ``offset`` of ``size`` bytes)."""
+        sock = self._check(write=True)
+        m = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(m):
+            raise ValueError("offset is out of bounds")
+        if size is None:
+            size = len(m) - offset
+        elif size < 0 or offset + size > len(m):
+            raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
+        fdpass.send_frame(sock, m[offset:offset + size])
+
+    def _recv_bytes(self, maxlength=None):
+        payload, fds, _ = fdpass.recv_frame(self._check(read=True))
+        fdpass.close_all(fds)          # raw bytes carry no fds; any that came are dropped
+        if maxlength is not None and len(payload) > maxlength:
+            self.close()
+            raise OSError(f"bad message length: {len(payload)} > maxlength {maxlength}")
+        return payload
+
+    def recv_bytes(self, maxlength=None):
+        """Receive a message sent with send_bytes() as bytes."""
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
+        return bytes(self._recv_bytes(maxlength))
+
+    def recv_bytes_into(self, buf, offset=0):
+        """Receive a message into a writable buffer; returns its size."""
+        m = memoryview(buf).cast("B")
+        if offset < 0 or offset > len(m):
+            raise ValueError("negative offset" if offset < 0 else "offset too large")
+        payload = self._recv_bytes()
+        if len(payload) > len(m) - offset:
+            from multiprocessing import BufferTooShort
+            raise BufferTooShort(bytes(payload))
+        m[offset:offset + len(payload)] = payload
+        return len(payload)
+
+    def poll(self, timeout=0.0):
+        """Whether there is anything to read (waiting up to ``timeout`` s; None: forever)."""
+        return wait_readable(self._check(read=True), timeout)
+
+
+def wait_readable(sock, timeout):
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
+
+
+def Pipe(duplex=True):
+    """A pair of connected Connections over one AF_UNIX socketpair (fds can travel both ways)."""
+    a, b = socketpair()
+    if duplex:
+        return Connection(a), Connection(b)
+    return Connection(a, writable=False), Connection(b, readable=False)
+
+
+# A Connection pickles as its socket: in band on a sharedmp channel, else as a DupFd
+# (while spawning it goes along with the child's fds, as multiprocessing's does).
+def reduce_connection(conn):
+    oob = fdpass.current()
+    if oob is not None:
+        return rebuild_connection_in_band, (oob.add(conn.fileno()), conn.readable, conn.writable)
+    return rebuild_connection, (DupFd(conn.fileno()), conn.readable, conn.writable)
+
+
+def rebuild_connection(dupfd, readable, writable):
+    return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
+
+
+def rebuild_connection_in_band(index, readable, writable):
+    fd = os.dup(fdpass.current().get(index))
+    return Connection(socket.socket(fileno=fd), readable, writable)
+
+
+ForkingPickler.register(Connection, reduce_connection)

@@ -1,0 +1,129 @@
+"""Contexts for fork, spawn and forkserver whose channels, pools and processes are sharedmp's.
+
+Each is the standard context of its start method with Queue, JoinableQueue,
+SimpleQueue, Pipe, Pool and Process replaced, so it works wherever a
+``multiprocessing`` context does (``ProcessPoolExecutor(mp_context=...)``,
+``DataLoader(multiprocessing_context=...)``).
+"""
+import multiprocessing
+import multiprocessing.context as _std
+import multiprocessing.pool
+import os
+
+from .. import strategy
+
+
+class _CarryStrategy:
+    """Process mixin: the child starts with the parent's sharing strategy.
+
+    The environment already carries it to spawn and fork children; a forkserver started
+    before ``set_sharing_strategy`` would not, so the Process object carries it too.
+    """
+
+    def start(self):
+        self._sharedmp_strategy = os.environ.get(strategy.ENV)
+        super().start()
+
+    def _bootstrap(self, *args, **kwargs):
+        name = getattr(self, "_sharedmp_strategy", None)
+        if name is None:
+            os.environ.pop(strategy.ENV, None)
+        else:
+            os.environ[strategy.ENV] = name
+        return super()._bootstrap(*args, **kwargs)
+
+
+class ForkProcess(_CarryStrategy, _std.ForkProcess):
+    pass
+
+
+class SpawnProcess(_CarryStrategy, _std.SpawnProcess):
+    pass
+
+
+class ForkServerProcess(_CarryStrategy, _std.ForkServerProcess):
+    pass
+
+
+class _Channels:
+    """The factories that differ from the standard context's."""
+
+    def Queue(self, maxsize=0):
+        """A queue whose messages carry the fds of their arrays."""
+        from .queues import Queue
+        return Queue(maxsize, ctx=self)
+
+    def JoinableQueue(self, maxsize=0):
+        """A Queue with task_done() and join()."""
+        from .queues import JoinableQueue
+        return JoinableQueue(maxsize, ctx=self)
+
+    def SimpleQueue(self):
+        """A synchronous queue (put() returns once the message is in the kernel)."""
+        from .queues import SimpleQueue
+        return SimpleQueue(ctx=self)
+
+    def Pipe(self, duplex=True):
+        """Two Connections over an AF_UNIX socketpair."""
+        from .connection import Pipe
+        return Pipe(duplex)
+
+    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+        """multiprocessing.pool.Pool whose task and result queues are sharedmp's."""
+        return multiprocessing.pool.Pool(processes, initializer, initargs, maxtasksperchild,
+                                         context=self)
+
+    def get_context(self, method=None):
+        return self if method is None else get_context(method)
+
+
+class ForkContext(_Channels, _std.ForkContext):
+    Process = ForkProcess
+
+
+class SpawnContext(_Channels, _std.SpawnContext):
+    Process = SpawnProcess
+
+
+class ForkServerContext(_Channels, _std.ForkServerContext):
+    Process = ForkServerProcess
+
+
+_contexts = {"fork": ForkContext(), "spawn": SpawnContext(), "forkserver": ForkServerContext()}
+
+
+def get_context(method=None):
+    """sharedmp's context for ``method`` (None: the start method multiprocessing uses now)."""
+    if method is None:
+        method = multiprocessing.get_start_method()
+    try:
+        return _contexts[method]
+    except KeyError:
+        raise ValueError(f"cannot find context for {method!r}; valid start methods: "
+                         + ", ".join(sorted(_contexts))) from None
+
+
+# Module-level factories of sharedmp: the default context's, resolved at each call, so
+# that multiprocessing.set_start_method() applies to them as it does to the standard ones.
+def Queue(maxsize=0):
+    return get_context().Queue(maxsize)
+
+
+def JoinableQueue(maxsize=0):
+    return get_context().JoinableQueue(maxsize)
+
+
+def SimpleQueue():
+    return get_context().SimpleQueue()
+
+
+def Pipe(duplex=True):
+    return get_context().Pipe(duplex)
+
+
+def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
+
+
+for _f in (Queue, JoinableQueue, SimpleQueue, Pipe, Pool):
+    _f.__doc__ = getattr(_Channels, _f.__name__).__doc__

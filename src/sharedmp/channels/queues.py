@@ -1,0 +1,272 @@
+"""Queue, JoinableQueue and SimpleQueue over an fd-carrying socket.
+
+Adapted from CPython's multiprocessing/queues.py; changed:
+- the pipe is an AF_UNIX socketpair, so each message carries the fds of its arrays;
+- ``put()`` pickles in the calling thread: an unpicklable object raises there and the
+  queue stays usable, and the value sent is the value at the time of ``put()``;
+- in every process but the one that created the queue, ``put()`` returns only once the
+  message is in the kernel, so a producer may exit (even by ``os._exit``) right after.
+  In the creating process a feeder thread sends, as in multiprocessing, so that one
+  process can put many items before it gets any; its fds are dup'ed until they are sent.
+"""
+import collections
+import os
+import threading
+import time
+import weakref
+from multiprocessing import context as _mpcontext
+from multiprocessing.util import Finalize, debug, register_after_fork
+from queue import Empty, Full
+
+try:
+    from _multiprocessing import SemLock as _SemLock
+    SEM_VALUE_MAX = _SemLock.SEM_VALUE_MAX
+except ImportError:  # pragma: no cover
+    SEM_VALUE_MAX = 2 ** 31 - 1
+
+from . import fdpass
+from .connection import Pipe, dumps, loads
+
+_SENTINEL = object()
+
+
+class SimpleQueue:
+    """A queue with put/get/empty/close and no buffering thread: put() is synchronous."""
+
+    def __init__(self, *, ctx):
+        self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()
+        self._wlock = ctx.Lock()
+
+    def __getstate__(self):
+        _mpcontext.assert_spawning(self)
+        return self._reader, self._writer, self._rlock, self._wlock
+
+    def __setstate__(self, state):
+        self._reader, self._writer, self._rlock, self._wlock = state
+
+    def close(self):
+        self._reader.close()
+        self._writer.close()
+
+    def empty(self):
+        return not self._reader.poll()
+
+    def get(self):
+        with self._rlock:
+            payload, fds, _ = fdpass.recv_frame(self._reader._check(read=True))
+        return loads(payload, fds)
+
+    def put(self, obj):
+        payload, fds = dumps(obj)
+        with self._wlock:
+            fdpass.send_frame(self._writer._check(write=True), payload, fds)
+
+
+class Queue:
+    """multiprocessing.Queue's semantics; arrays travel as shared memory with their fds."""
+
+    def __init__(self, maxsize=0, *, ctx):
+        if maxsize <= 0:
+            maxsize = SEM_VALUE_MAX
+        self._maxsize = maxsize
+        self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()
+        self._wlock = ctx.Lock()
+        self._sem = ctx.BoundedSemaphore(maxsize)
+        self._creator = os.getpid()
+        self._ignore_epipe = False
+        self._reset()
+        register_after_fork(self, Queue._after_fork)
+
+    def __getstate__(self):
+        _mpcontext.assert_spawning(self)
+        return (self._ignore_epipe, self._maxsize, self._reader, self._writer,
+                self._rlock, self._wlock, self._sem, self._creator)
+
+    def __setstate__(self, state):
+        (self._ignore_epipe, self._maxsize, self._reader, self._writer,
+         self._rlock, self._wlock, self._sem, self._creator) = state
+        self._reset()
+
+    def _after_fork(self):
+        debug("Queue._after_fork()")
+        self._reset()
+
+    def _reset(self):
+        self._notempty = threading.Condition(threading.Lock())
+        self._buffer = collections.deque()
+        self._thread = None
+        self._jointhread = None
+        self._joincancelled = False
+        self._closed = False
+        self._close = None
+
+    # -- put -------------------------------------------------------------------------
+    def put(self, obj, block=True, timeout=None):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if not self._sem.acquire(block, timeout):
+            raise Full
+        try:
+            payload, fds = dumps(obj)
+        except BaseException:
+            self._sem.release()
+            raise
+        self._count_task()
+        self._send(payload, fds)
+
+    def _count_task(self):
+        pass
+
+    def _send(self, payload, fds):
+        if os.getpid() != self._creator:
+            with self._wlock:
+                fdpass.send_frame(self._writer._check(write=True), payload, fds)
+            return
+        owned = [os.dup(fd) for fd in fds]      # the arrays may die before the feeder sends
+        with self._notempty:
+            if self._thread is None:
+                self._start_thread()
+            self._buffer.append((payload, owned))
+            self._notempty.notify()
+
+    def put_nowait(self, obj):
+        return self.put(obj, False)
+
+    # -- get -------------------------------------------------------------------------
+    def get(self, block=True, timeout=None):
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        sock = self._reader._check(read=True)
+        if block and timeout is None:
+            with self._rlock:
+                payload, fds, _ = fdpass.recv_frame(sock)
+        else:
+            deadline = time.monotonic() + (timeout or 0.0)
+            if not self._rlock.acquire(block, timeout):
+                raise Empty
+            try:
+                wait = max(0.0, deadline - time.monotonic()) if block else 0.0
+                if not self._reader.poll(wait):
+                    raise Empty
+                payload, fds, _ = fdpass.recv_frame(sock)
+            finally:
+                self._rlock.release()
+        self._sem.release()
+        return loads(payload, fds)
+
+    def get_nowait(self):
+        return self.get(False)
+
+    def qsize(self):
+        # Raises NotImplementedError on macOS, as multiprocessing's does (no sem_getvalue).
+        return self._maxsize - self._sem._semlock._get_value()
+
+    def empty(self):
+        return not self._reader.poll()
+
+    def full(self):
+        return self._sem._semlock._is_zero()
+
+    # -- closing ---------------------------------------------------------------------
+    def close(self):
+        self._closed = True
+        close = self._close
+        if close:
+            self._close = None
+            close()
+        self._reader.close()
+
+    def join_thread(self):
+        debug("Queue.join_thread()")
+        assert self._closed, f"Queue {self!r} not closed"
+        if self._jointhread:
+            self._jointhread()
+
+    def cancel_join_thread(self):
+        debug("Queue.cancel_join_thread()")
+        self._joincancelled = True
+        try:
+            self._jointhread.cancel()
+        except AttributeError:
+            pass
+
+    def _start_thread(self):
+        self._thread = threading.Thread(
+            target=Queue._feed, name="QueueFeederThread", daemon=True,
+            args=(self._buffer, self._notempty, self._writer, self._wlock,
+                  self._ignore_epipe, self._sem))
+        self._thread.start()
+        if not self._joincancelled:
+            self._jointhread = Finalize(self._thread, Queue._finalize_join,
+                                        [weakref.ref(self._thread)], exitpriority=-5)
+        self._close = Finalize(self, Queue._finalize_close,
+                               [self._buffer, self._notempty], exitpriority=10)
+
+    @staticmethod
+    def _finalize_join(twr):
+        thread = twr()
+        if thread is not None:
+            thread.join()
+
+    @staticmethod
+    def _finalize_close(buffer, notempty):
+        with notempty:
+            buffer.append(_SENTINEL)
+            notempty.notify()
+
+    @staticmethod
+    def _feed(buffer, notempty, writer, wlock, ignore_epipe, sem):
+        while True:
+            with notempty:
+                while not buffer:
+                    notempty.wait()
+                item = buffer.popleft()
+            if item is _SENTINEL:
+                writer.close()
+                return
+            payload, fds = item
+            try:
+                with wlock:
+                    fdpass.send_frame(writer._check(write=True), payload, fds)
+            except Exception as e:
+                if ignore_epipe and getattr(e, "errno", 0) == 32:
+                    return
+                sem.release()
+                import traceback
+                traceback.print_exc()
+            finally:
+                fdpass.close_all(fds)
+
+
+class JoinableQueue(Queue):
+    """A Queue with task_done() and join()."""
+
+    def __init__(self, maxsize=0, *, ctx):
+        super().__init__(maxsize, ctx=ctx)
+        self._unfinished_tasks = ctx.Semaphore(0)
+        self._cond = ctx.Condition()
+
+    def __getstate__(self):
+        return super().__getstate__() + (self._cond, self._unfinished_tasks)
+
+    def __setstate__(self, state):
+        super().__setstate__(state[:-2])
+        self._cond, self._unfinished_tasks = state[-2:]
+
+    def _count_task(self):
+        with self._cond:        # counted before any consumer can see it
+            self._unfinished_tasks.release()
+
+    def task_done(self):
+        with self._cond:
+            if not self._unfinished_tasks.acquire(False):
+                raise ValueError("task_done() called too many times")
+            if self._unfinished_tasks._semlock._is_zero():
+                self._cond.notify_all()
+
+    def join(self):
+        with self._cond:
+            if not self._unfinished_tasks._semlock._is_zero():
+                self._cond.wait()
