@@ -1,0 +1,583 @@
+"""``python -m sharedmp doctor [--clean] [--json]``: what this machine supports, where it would fail.
+
+One line per check, each ``ok``, ``warn`` or ``FAIL``, with the fix where something is
+wrong. The exit status is 1 when some check FAILs (something sharedmp needs, with the
+current settings, does not work), 0 otherwise: warnings do not fail.
+
+Torch is never imported: its version comes from the installed distribution's metadata.
+
+The leftover logic (``find_leftovers``, ``clean``) is reusable: a ``sharedmp_*`` file in
+the shared-memory directory is *in use* while some process maps it (``/proc/*/maps``)
+or holds an fd to it (``/proc/*/fd``); a file of this user that nobody uses is a
+leftover of processes that are all gone (killed before they could unlink it).
+"""
+import json
+import mmap
+import os
+import platform
+import re
+import secrets
+import stat
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from .. import __version__
+from ..memory import segment
+from ..memory.segment import PREFIX, SHM_DIR_ENV
+from ..strategy import ENV as STRATEGY_ENV
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+GiB = 1 << 30
+FD_WARN = 1024           # soft RLIMIT_NOFILE below this: warn
+FD_FAIL = 64             # below this: a handful of arrays in flight exhausts it
+FREE_WARN = 1 * GiB      # free space in the shm dir / available memory below this: warn
+TMPFS_TYPES = ("tmpfs", "ramfs")
+# Segment names: the prefix and at least 64 random bits in hex (segment.py uses 80).
+NAME_RE = re.compile(re.escape(PREFIX) + r"[0-9a-f]{16,}\Z")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str                                  # OK | WARN | FAIL
+    detail: str
+    fix: str | None = None
+    items: list = field(default_factory=list)   # extra lines (e.g. the leftovers)
+
+
+# ---------------------------------------------------------------------------- leftovers
+
+def _fmt_size(n):
+    return segment._fmt(n)
+
+
+def _fmt_age(seconds):
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def _candidates(directory):
+    """{name: (path, stat_result)} of the segment files in ``directory`` this user may remove."""
+    out = {}
+    uid = os.getuid()
+    try:
+        entries = os.scandir(directory)
+    except OSError:
+        return out
+    with entries:
+        for entry in entries:
+            if not NAME_RE.match(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (uid == 0 or st.st_uid == uid):
+                out[entry.name] = (entry.path, st)
+    return out
+
+
+def _scan_proc(candidates):
+    """(names in use, pids that could not be inspected), or (None, []) without /proc.
+
+    A name is in use when a mapping or an fd of some process points to a file of that
+    name (any directory: mount namespaces see the same file under other paths), or a
+    mapping has its device and inode. Matching by name errs on the side of keeping.
+    """
+    if not os.path.isdir("/proc/self/fd"):
+        return None, []
+    names = set(candidates)
+    by_inode = {(st.st_dev, st.st_ino): name for name, (_, st) in candidates.items()}
+    devs = {f" {os.major(d):02x}:{os.minor(d):02x} " for d, _ in by_inode}
+    used, blind = set(), []
+    uid = os.getuid()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None, []
+    for pid in pids:
+        if used >= names:
+            break
+        base = f"/proc/{pid}"
+        try:
+            with open(f"{base}/maps") as f:
+                for line in f:
+                    if PREFIX not in line and not any(d in line for d in devs):
+                        continue
+                    parts = line.split(None, 5)
+                    if len(parts) < 5:
+                        continue
+                    path = parts[5].rstrip("\n").removesuffix(" (deleted)") if len(parts) == 6 else ""
+                    name = path.rsplit("/", 1)[-1]
+                    if name in names:
+                        used.add(name)
+                        continue
+                    try:
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        key = (os.makedev(major, minor), int(parts[4]))
+                    except ValueError:
+                        continue
+                    if key in by_inode:
+                        used.add(by_inode[key])
+            for fd in os.listdir(f"{base}/fd"):
+                try:
+                    target = os.readlink(f"{base}/fd/{fd}")
+                except OSError:
+                    continue
+                if PREFIX in target:
+                    name = target.removesuffix(" (deleted)").rsplit("/", 1)[-1]
+                    if name in names:
+                        used.add(name)
+        except (FileNotFoundError, ProcessLookupError):
+            continue                                  # it exited meanwhile: it holds nothing
+        except PermissionError:
+            try:
+                owner = os.stat(base).st_uid
+            except OSError:
+                continue
+            if uid == 0 or owner == uid:              # one of ours we cannot see into
+                blind.append(int(pid))
+        except OSError:
+            continue
+    return used, blind
+
+
+@dataclass
+class Survey:
+    directory: str
+    leftovers: list            # [(path, size, mtime)]
+    in_use: list               # [path]
+    blind: list                # pids that might use this user's segments but cannot be inspected
+    inspectable: bool          # False without /proc: nothing can be called a leftover
+
+
+def survey(directory, min_age=0.0, strict=False):
+    """Which segment files in ``directory`` are in use and which are leftovers.
+
+    ``blind`` lists processes that could hold this user's segments but whose maps or fds
+    cannot be read (non-dumpable processes of this user; for root, processes with more
+    capabilities, such as a sandbox's init). With ``strict``, their existence means that
+    nothing is a leftover; otherwise they are reported and otherwise ignored.
+    """
+    candidates = _candidates(directory)
+    if not candidates:
+        return Survey(directory, [], [], [], os.path.isdir("/proc/self/fd"))
+    used, blind = _scan_proc(candidates)
+    if used is None:
+        return Survey(directory, [], sorted(p for p, _ in candidates.values()), [], False)
+    now = time.time()
+    leftovers, in_use = [], []
+    for name, (path, st) in sorted(candidates.items()):
+        if name in used or (strict and blind) or now - st.st_mtime < min_age:
+            in_use.append(path)
+        else:
+            leftovers.append((path, st.st_size, st.st_mtime))
+    return Survey(directory, leftovers, in_use, blind, True)
+
+
+def find_leftovers(directory, min_age=0.0, strict=False):
+    """[(path, size, mtime)] of this user's ``sharedmp_*`` files in ``directory`` that no
+    live process maps or holds open, and that are at least ``min_age`` seconds old.
+
+    Without /proc nothing is a leftover; with ``strict``, nothing is either while some
+    process that might use the segments cannot be inspected (see ``survey``).
+    """
+    return survey(directory, min_age, strict).leftovers
+
+
+def _remove(leftovers):
+    """Unlink the given leftovers; the (path, size, mtime) of those this call removed."""
+    removed = []
+    for entry in leftovers:
+        try:
+            os.unlink(entry[0])
+        except FileNotFoundError:
+            continue                                  # someone else cleaned it meanwhile
+        except OSError:
+            continue
+        removed.append(entry)
+    return removed
+
+
+def clean(directory, min_age=0.0, strict=False):
+    """Remove the leftovers of ``directory`` (see ``find_leftovers``); the paths removed."""
+    return [path for path, _, _ in _remove(find_leftovers(directory, min_age, strict))]
+
+
+# ---------------------------------------------------------------------------- checks
+
+def _version_tuple(v):
+    out = []
+    for part in re.split(r"[.+-]", v):
+        if not part.isdigit():
+            break
+        out.append(int(part))
+    return tuple(out)
+
+
+def _dist_version(name):
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions():
+    import numpy as np
+    checks = []
+    checks.append(Check("platform", OK, f"{platform.platform()} ({platform.machine()})"))
+    py = sys.version_info
+    checks.append(Check("python", OK if py >= (3, 10) else FAIL,
+                        f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+                        None if py >= (3, 10) else "sharedmp needs Python >= 3.10"))
+    np_ok = _version_tuple(np.__version__) >= (1, 24)
+    checks.append(Check("numpy", OK if np_ok else WARN, np.__version__,
+                        None if np_ok else "sharedmp is tested with numpy >= 1.24: pip install -U numpy"))
+    checks.append(Check("sharedmp", OK, f"{__version__} ({os.path.dirname(os.path.dirname(__file__))})"))
+    torch = _dist_version("torch")
+    if torch is None:
+        checks.append(Check("torch", OK, "not installed (optional: pip install 'sharedmp[torch]')"))
+    elif _version_tuple(torch) < (2, 3):
+        checks.append(Check("torch", WARN, f"{torch}: sharedmp's torch support needs torch >= 2.3",
+                            "pip install -U 'torch>=2.3'"))
+    else:
+        checks.append(Check("torch", OK, f"{torch} (installed; not imported by sharedmp until a tensor is met)"))
+    cuda = _dist_version("cuda-bindings") or _dist_version("cuda-python")
+    checks.append(Check("cuda-bindings", OK, cuda or "not installed (optional: pip install 'sharedmp[cuda]')"))
+    return checks
+
+
+def check_start_methods():
+    import multiprocessing
+    methods = multiprocessing.get_all_start_methods()
+    default = multiprocessing.get_context().get_start_method()
+    return Check("start methods", OK, f"{', '.join(methods)} (default: {default})")
+
+
+def check_strategy():
+    """(checks, current strategy or None if the setting is invalid, all strategies)."""
+    from ..strategy import _DEFAULT, get_all_sharing_strategies, get_sharing_strategy
+    strategies = get_all_sharing_strategies()
+    names = sorted(strategies)
+    checks = [Check("strategies", OK, ", ".join(names) + f" (default: {_DEFAULT})")]
+    try:
+        current = get_sharing_strategy()
+    except ValueError as e:
+        checks.append(Check("strategy", FAIL, str(e),
+                            f"unset ${STRATEGY_ENV} or set it to one of: {', '.join(names)}"))
+        return checks, None, strategies
+    source = f"from ${STRATEGY_ENV}" if os.environ.get(STRATEGY_ENV) else "default"
+    checks.append(Check("strategy", OK, f"{current} ({source})"))
+    return checks, current, strategies
+
+
+def check_fd_limit():
+    try:
+        import resource
+    except ImportError:
+        return Check("fd limit", OK, "no RLIMIT_NOFILE on this platform")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    show = lambda n: "unlimited" if n == resource.RLIM_INFINITY else str(n)  # noqa: E731
+    detail = f"soft {show(soft)}, hard {show(hard)}"
+    soft_n = float("inf") if soft == resource.RLIM_INFINITY else soft
+    if soft_n >= FD_WARN:
+        return Check("fd limit", OK, detail)
+    target = FD_WARN * 4 if hard == resource.RLIM_INFINITY else min(hard, FD_WARN * 4)
+    if target > soft_n:
+        fix = (f"raise it before starting Python: `ulimit -n {target}` (the hard limit allows "
+               f"{show(hard)}), or resource.setrlimit(resource.RLIMIT_NOFILE, ({target}, hard)) at startup")
+    else:
+        fix = (f"the hard limit is {show(hard)} too: raise it (as root: /etc/security/limits.conf "
+               f"'nofile', systemd LimitNOFILE=, docker --ulimit nofile={FD_WARN * 4}), then `ulimit -n {FD_WARN * 4}`")
+    if soft_n < FD_FAIL:
+        return Check("fd limit", FAIL, detail + f": below {FD_FAIL}, a few arrays in flight exhaust it", fix)
+    return Check("fd limit", WARN, detail + f": below {FD_WARN}, many segments in flight may exhaust it "
+                 "(each segment sent under file_descriptor costs an fd until it is received)", fix)
+
+
+def check_memory():
+    avail = getattr(segment, "_available_memory", lambda: None)()
+    if avail is None:
+        return Check("memory", OK, "available memory unknown on this platform")
+    detail = f"{_fmt_size(avail)} can be reserved (MemAvailable + SwapFree, within the cgroup limit)"
+    if avail < FREE_WARN:
+        return Check("memory", WARN, detail, "free memory or raise the container's memory limit: "
+                     "shared arrays are reserved in RAM when they are made")
+    return Check("memory", OK, detail)
+
+
+def check_memfd(current):
+    needed = current == "file_descriptor"
+    fix = (f"the file_descriptor strategy needs Linux memfd_create with sealing (kernel >= 3.17, "
+           f"not blocked by seccomp); use ${STRATEGY_ENV}=file_system")
+    if not segment.HAVE_MEMFD:
+        return Check("memfd", FAIL if needed else OK,
+                     "memfd_create is not available on this platform: file_system only",
+                     fix if needed else None)
+    import fcntl
+    try:
+        fd = os.memfd_create("sharedmp-doctor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as e:
+        return Check("memfd", FAIL if needed else WARN, f"memfd_create failed: {e}", fix)
+    try:
+        page = mmap.PAGESIZE
+        if segment.HAVE_FALLOCATE:
+            os.posix_fallocate(fd, 0, page)
+        else:
+            os.ftruncate(fd, page)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, segment.SEALS)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if seals & segment.SEALS != segment.SEALS:
+            raise OSError(f"seals read back as {seals:#x}, expected {segment.SEALS:#x} set")
+        try:
+            os.ftruncate(fd, 0)
+        except PermissionError:
+            pass                                      # the seal holds
+        else:
+            raise OSError("F_SEAL_SHRINK is not enforced: a sealed memfd could be truncated")
+        mm = mmap.mmap(fd, page)
+        mm[:4] = b"sdmp"
+        good = os.pread(fd, 4, 0) == b"sdmp"
+        mm.close()
+        if not good:
+            raise OSError("a write through the mapping is not visible through the fd")
+    except OSError as e:
+        return Check("memfd", FAIL if needed else WARN, f"memfd works but sealing does not: {e}", fix)
+    finally:
+        os.close(fd)
+    names = [n for n in ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL") if segment.SEALS & getattr(fcntl, n)]
+    return Check("memfd", OK, f"memfd_create, fallocate and seals ({', '.join(names)}) work")
+
+
+def _mount_of(path):
+    """(mount point, fs type) of ``path`` from /proc/mounts, or None."""
+    try:
+        with open("/proc/mounts") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    path = os.path.realpath(path)
+    best = None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])
+        if path == point or path.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= len(best[0]):   # later lines over-mount earlier ones
+                best = (point, parts[2])
+    return best
+
+
+def check_shm_dir(current, strategies):
+    """(checks, usable): the directory of named segments (the file_system strategy)."""
+    d = segment.shm_dir()
+    source = f"${SHM_DIR_ENV}" if os.environ.get(SHM_DIR_ENV) else "default"
+    fatal = current == "file_system" or strategies == {"file_system"}
+    bad = FAIL if fatal else WARN
+    note = "" if fatal else f" (only the file_system strategy needs it; current: {current})"
+    label = f"{d} ({source})"
+    alt = "" if strategies == {"file_system"} else ", or use the file_descriptor strategy"
+    if not os.path.exists(d):
+        fix = (f"create it (mkdir -p {d}; better a tmpfs: mount -t tmpfs tmpfs {d}), "
+               f"point ${SHM_DIR_ENV} at an existing tmpfs directory{alt}")
+        return [Check("shm dir", bad, f"{label} does not exist{note}", fix)], False
+    if not os.path.isdir(d):
+        return [Check("shm dir", bad, f"{label} is not a directory{note}",
+                      f"point ${SHM_DIR_ENV} at a tmpfs directory{alt}")], False
+    probe = os.path.join(d, f".sharedmp-doctor-{secrets.token_hex(8)}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            if segment.HAVE_FALLOCATE:
+                os.posix_fallocate(fd, 0, mmap.PAGESIZE)
+            else:
+                os.ftruncate(fd, mmap.PAGESIZE)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        return [Check("shm dir", bad, f"{label} is not writable: {e.strerror}{note}",
+                      f"make it writable for this user (chmod 1777 {d} as root), point ${SHM_DIR_ENV} at "
+                      f"a writable tmpfs directory{alt}")], False
+    checks = []
+    mount = _mount_of(d)
+    if mount is None:
+        checks.append(Check("shm dir", OK, f"{label} exists and is writable"))
+    elif mount[1] in TMPFS_TYPES:
+        checks.append(Check("shm dir", OK, f"{label} exists, is writable, {mount[1]} at {mount[0]}"))
+    else:
+        checks.append(Check("shm dir", WARN, f"{label} is on {mount[1]} at {mount[0]}, not a tmpfs: named "
+                            "segments are written back to disk (slower) and survive a reboot",
+                            f"point ${SHM_DIR_ENV} at a tmpfs directory such as /dev/shm"))
+    st = os.statvfs(d)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    detail = f"{_fmt_size(free)} free of {_fmt_size(size)}"
+    if free < FREE_WARN:
+        fix = (f"enlarge it (sudo mount -o remount,size=8G {mount[0] if mount else d}; Docker: "
+               f"--shm-size=8g; Kubernetes: an emptyDir with medium: Memory)"
+               + (f"{alt}, which does not use {d}" if alt else ""))
+        checks.append(Check("shm space", WARN, detail + f": below {_fmt_size(FREE_WARN)}; more than that in "
+                            f"shared arrays under file_system raises OutOfSharedMemory{note}", fix))
+    else:
+        checks.append(Check("shm space", OK, detail))
+    return checks, True
+
+
+def check_leftovers(directory, do_clean):
+    """(checks, removed entries)."""
+    s = survey(directory)
+    removed = _remove(s.leftovers) if do_clean else []
+    checks = []
+    now = time.time()
+    line = lambda p, size, mtime: f"{p}  {_fmt_size(size)}  {_fmt_age(now - mtime)} old"  # noqa: E731
+    if do_clean:
+        detail = (f"removed {len(removed)} leftover segment(s), {_fmt_size(sum(e[1] for e in removed))}"
+                  if removed else "nothing to remove")
+        checks.append(Check("clean", OK, detail, items=[f"removed {line(*e)}" for e in removed]))
+    left = [] if do_clean else s.leftovers
+    if do_clean:  # what could not be removed (a race, or permissions) is still a leftover
+        gone = {e[0] for e in removed}
+        left = [e for e in s.leftovers if e[0] not in gone]
+    notes = []
+    if s.in_use:
+        notes.append(f"{len(s.in_use)} in use by live processes")
+    if s.blind:
+        pids = ", ".join(map(str, s.blind[:5])) + (" ..." if len(s.blind) > 5 else "")
+        notes.append(f"{len(s.blind)} process(es) not inspectable (pid {pids})")
+    extra = f"; {'; '.join(notes)}" if notes else ""
+    if not s.inspectable:
+        checks.append(Check("leftovers", WARN if s.in_use else OK,
+                            f"{len(s.in_use)} segment(s) in {directory}; without /proc it cannot be told "
+                            "which are still in use"))
+    elif left:
+        total = sum(e[1] for e in left)
+        checks.append(Check("leftovers", WARN,
+                            f"{len(left)} leftover segment(s) in {directory}, {_fmt_size(total)}, "
+                            f"that no live process maps or holds open{extra}",
+                            "python -m sharedmp doctor --clean", items=[line(*e) for e in left]))
+    else:
+        checks.append(Check("leftovers", OK, f"none in {directory}{extra}"))
+    return checks, removed
+
+
+def check_round_trip(strategy, fatal):
+    """Allocate, write, pickle with ForkingPickler, unpickle here, compare: one strategy."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import numpy as np
+
+    from .. import arrays
+    name = "round trip"
+    saved = os.environ.get(STRATEGY_ENV)
+    os.environ[STRATEGY_ENV] = strategy
+    try:
+        t0 = time.perf_counter()
+        a = arrays.zeros(1024)
+        if a.any():
+            raise AssertionError("fresh shared memory is not zero")
+        a[:] = np.arange(1024)
+        message = bytes(ForkingPickler.dumps(a))
+        b = pickle.loads(message)
+        if not (b.shape == a.shape and b.dtype == a.dtype and np.array_equal(a, b)):
+            raise AssertionError("the unpickled array differs from the original")
+        b[0] = -1.0
+        if a[0] != -1.0:
+            raise AssertionError("the unpickled array does not share the original's memory")
+        ms = (time.perf_counter() - t0) * 1e3
+        del a, b
+    except Exception as e:
+        fix = (f"use the other strategy (${STRATEGY_ENV}) and report this at sharedmp's issue tracker"
+               if not fatal or strategy == "file_descriptor" else
+               f"see the shm dir check above, or use ${STRATEGY_ENV}=file_descriptor")
+        return Check(name, FAIL if fatal else WARN, f"{strategy}: {type(e).__name__}: {e}", fix)
+    finally:
+        if saved is None:
+            os.environ.pop(STRATEGY_ENV, None)
+        else:
+            os.environ[STRATEGY_ENV] = saved
+    return Check(name, OK, f"{strategy}: zeros(1024) -> write -> ForkingPickler -> loads: equal, same memory "
+                 f"({len(message)}-byte message, {ms:.1f} ms)")
+
+
+def run_checks(do_clean=False):
+    """Every check, in report order; and what --clean removed."""
+    checks = check_versions()
+    checks.append(check_start_methods())
+    strategy_checks, current, strategies = check_strategy()
+    checks += strategy_checks
+    checks.append(check_fd_limit())
+    checks.append(check_memory())
+    checks.append(check_memfd(current))
+    shm_checks, shm_ok = check_shm_dir(current, strategies)
+    checks += shm_checks
+    directory = segment.shm_dir()
+    if os.path.isdir(directory):
+        leftover_checks, removed = check_leftovers(directory, do_clean)
+        checks += leftover_checks
+    else:
+        removed = []
+    for s in sorted(strategies):
+        fatal = s == current or len(strategies) == 1
+        if s == "file_system" and not shm_ok:
+            if fatal:
+                checks.append(Check("round trip", FAIL, f"{s}: skipped, the shm dir is not usable",
+                                    "see the shm dir check"))
+            continue
+        checks.append(check_round_trip(s, fatal))
+    return checks, removed
+
+
+def exit_status(checks):
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def format_report(checks):
+    width = max(len(c.name) for c in checks)
+    out = ["sharedmp doctor"]
+    for c in checks:
+        out.append(f"  {c.status:<4}  {c.name:<{width}}  {c.detail}")
+        pad = " " * (10 + width)
+        out += [f"{pad}{item}" for item in c.items]
+        if c.fix and c.status != OK:
+            out.append(f"{pad}fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL)}
+    status = exit_status(checks)
+    verdict = "problems found" if status else "no problems" + (" (see warnings)" if counts[WARN] else "")
+    out.append(f"{counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} FAIL: {verdict} (exit {status})")
+    return "\n".join(out)
+
+
+def format_json(checks, removed):
+    return json.dumps({
+        "sharedmp": __version__,
+        "exit_status": exit_status(checks),
+        "checks": [asdict(c) for c in checks],
+        "removed": [{"path": p, "size": size, "mtime": mtime} for p, size, mtime in removed],
+    }, indent=2)
+
+
+# ---------------------------------------------------------------------------- command line
+
+def add_parser(subparsers):
+    from . import COMMANDS
+    p = subparsers.add_parser("doctor", help=COMMANDS["doctor"], description=COMMANDS["doctor"])
+    p.add_argument("--clean", action="store_true",
+                   help="remove leftover sharedmp_* segments (those no live process maps or holds open)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    return p
+
+
+def run(args):
+    checks, removed = run_checks(do_clean=args.clean)
+    print(format_json(checks, removed) if args.json else format_report(checks), flush=True)
+    return exit_status(checks)
