@@ -39,9 +39,16 @@ def segment_fds():
     keep = set()
     for a in arena._current.values():
         seg = segment.segment_of(a.mapping)
-        if seg is not None and seg.fd >= 0:
-            st = os.fstat(seg.fd)
-            keep.add((st.st_dev, st.st_ino))
+        try:
+            if seg is not None and seg.fd >= 0:
+                st = os.fstat(seg.fd)
+            elif seg is not None and seg.path:    # named: the fd is the mmap's own dup
+                st = os.stat(seg.path)
+            else:
+                continue
+        except OSError:
+            continue
+        keep.add((st.st_dev, st.st_ino))
     out = set()
     for name in os.listdir("/proc/self/fd"):
         try:

@@ -58,10 +58,16 @@ def zeros_like(a, dtype=None, shape=None):
 def mapping_of(a):
     """(mapping, Segment) of the shared memory under ndarray ``a``, or (None, None)."""
     root = a
-    while isinstance(root, np.ndarray):
-        root = root.base
-    if isinstance(root, memoryview):
-        root = root.obj
+    for _ in range(1000):          # base chains are short; the bound only guards odd objects
+        if isinstance(root, np.ndarray):
+            root = root.base
+        elif isinstance(root, memoryview):
+            root = root.obj
+        elif hasattr(root, "__array_interface__") and hasattr(root, "base"):
+            # numpy's DummyArray: what as_strided / sliding_window_view put under their views
+            root = root.base
+        else:
+            break
     return root, (segment.segment_of(root) if root is not None else None)
 
 

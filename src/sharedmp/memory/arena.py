@@ -20,11 +20,16 @@ ALIGN = 64
 
 
 class _Arena:
-    __slots__ = ("mapping", "used")
+    __slots__ = ("mapping", "used", "where")
 
-    def __init__(self, kind):
+    def __init__(self, kind, where):
         _, self.mapping = segment.create(ARENA_SIZE, kind)
         self.used = 0
+        self.where = where        # file_system: the directory it lives in
+
+
+def _where(kind):
+    return segment.shm_dir() if kind == "file_system" else None
 
 
 _current = {}              # strategy -> its current _Arena
@@ -35,11 +40,13 @@ def allocate(nbytes, kind):
     """Fresh zeroed shared memory: (mapping, offset) with ``nbytes`` bytes at offset."""
     if nbytes >= SMALL_LIMIT:
         return segment.create(nbytes, kind)[1], 0
+    where = _where(kind)
     with _lock:
         arena = _current.get(kind)
-        if arena is None or arena.used + nbytes > ARENA_SIZE:
-            # The old arena stays alive as long as arrays carved from it do.
-            arena = _current[kind] = _Arena(kind)
+        if arena is None or arena.used + nbytes > ARENA_SIZE or arena.where != where:
+            # The old arena stays alive as long as arrays carved from it do. A new
+            # $SHAREDMP_SHM_DIR takes effect for small arrays too, not only for big ones.
+            arena = _current[kind] = _Arena(kind, where)
         offset = arena.used
         arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
         return arena.mapping, offset

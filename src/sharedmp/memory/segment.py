@@ -52,14 +52,16 @@ def shm_dir():
 class Segment:
     """What this process knows of one segment; the mapping itself is held by the arrays."""
 
-    __slots__ = ("kind", "key", "size", "fd", "name", "address", "owner_pid", "mapping", "__weakref__")
+    __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
+                 "__weakref__")
 
-    def __init__(self, kind, key, size, fd, name, mm, owner):
+    def __init__(self, kind, key, size, fd, name, mm, owner, path=None):
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
         self.fd = fd              # kept (memfd) so that this process can send it on; -1 if none
         self.name = name
+        self.path = path          # where a named segment was made or found (the directory may change)
         self.owner_pid = os.getpid() if owner else None
         self.mapping = weakref.ref(mm)
         self.address = _address(mm)
@@ -96,11 +98,42 @@ def _release(seg, mapping_id):
     if seg.fd >= 0:
         fd, seg.fd = seg.fd, -1
         os.close(fd)
-    if seg.name is not None and seg.owner_pid == os.getpid():
-        try:
-            os.unlink(os.path.join(shm_dir(), seg.name))
-        except FileNotFoundError:
-            pass
+    if seg.path is not None and seg.owner_pid == os.getpid():
+        _unlink(seg.path)
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _unlink_owned():
+    """At exit: unlink the named segments this process created and still maps.
+
+    ``weakref.finalize`` does this at a normal interpreter exit, but a child that
+    multiprocessing started with fork leaves through ``os._exit``: without this, the
+    arena it created would stay in the shared-memory directory for good.
+    """
+    pid = os.getpid()
+    with _lock:
+        mine = [s for s in _by_key.values() if s.path is not None and s.owner_pid == pid]
+    for seg in mine:
+        _unlink(seg.path)
+
+
+_exit_hook_pid = None
+
+
+def _ensure_exit_hook():
+    # Registered per process, lazily: a fork child's multiprocessing bootstrap clears
+    # the finalizers it inherited, and runs its own at exit (util._exit_function).
+    global _exit_hook_pid
+    if _exit_hook_pid != os.getpid():
+        from multiprocessing import util
+        util.Finalize(None, _unlink_owned, exitpriority=-100)   # after children are joined
+        _exit_hook_pid = os.getpid()
 
 
 def segment_of(mm):
@@ -224,8 +257,9 @@ def _create_named(size):
     except BaseException:
         os.unlink(path)
         raise
-    seg = Segment("file_system", name, size, -1, name, mm, owner=True)
+    seg = Segment("file_system", name, size, -1, name, mm, owner=True, path=path)
     _register(seg, mm)
+    _ensure_exit_hook()
     return seg, mm
 
 
@@ -279,6 +313,8 @@ def attach_name(name):
             f"shared-memory segment {name} no longer exists in {shm_dir()}: its creator released it "
             "before this process attached. Keep the array alive in the sender until it is received, "
             "or use the 'file_descriptor' strategy.") from None
+    except OSError as e:   # a symlink (O_NOFOLLOW), a directory, not ours (EACCES), ...
+        raise SegmentError(f"{path} cannot be attached as a shared-memory segment: {e.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:
@@ -286,7 +322,7 @@ def attach_name(name):
         mm = _map(fd, st.st_size)
     finally:
         os.close(fd)
-    seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False)
+    seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False, path=path)
     _register(seg, mm)
     return mm
 

@@ -22,7 +22,10 @@ def reduce_ndarray(a):
 
 def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
     if isinstance(dtype, str):
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError:
+            raise SegmentError(f"malformed array header: dtype {dtype!r}") from None
     if not isinstance(dtype, np.dtype) or dtype.hasobject or len(shape) != len(strides):
         raise SegmentError(f"malformed array header: dtype={dtype!r} shape={shape!r} strides={strides!r}")
     lo, end = _extent(shape, strides, dtype.itemsize)

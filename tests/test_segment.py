@@ -1,0 +1,335 @@
+"""Segments: memfd and named shared memory, their checks, their lifetime, running out."""
+import fcntl
+import gc
+import mmap
+import multiprocessing
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+
+import numpy as np
+import pytest
+
+import sharedmp as mp
+from sharedmp.arrays import mapping_of
+from sharedmp.errors import OutOfSharedMemory, SegmentError
+from sharedmp.memory import segment
+
+import _workers as w
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _fds_to(key):
+    """This process's fds on the file (st_dev, st_ino) == key."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == key:
+            out.append(int(name))
+    return out
+
+
+def _mapped(key):
+    with open("/proc/self/maps") as f:
+        return any(len(p := line.split()) >= 6 and "memfd:" in line and int(p[4]) == key[1]
+                   for line in f)
+
+
+# -- memfd ----------------------------------------------------------------------------
+
+def test_memfd_segment_is_sealed_sized_and_anonymous():
+    seg, mm = segment.create(65536, "file_descriptor")
+    assert seg.kind == "file_descriptor" and seg.size == len(mm) == 65536
+    seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
+    assert seals & SEALS == SEALS
+    assert os.readlink(f"/proc/self/fd/{seg.fd}").startswith("/memfd:sharedmp")
+    assert os.fstat(seg.fd).st_size == 65536
+    assert os.get_inheritable(seg.fd) is False                 # CLOEXEC
+    with pytest.raises(PermissionError):
+        os.ftruncate(seg.fd, 4096)                             # no one can shrink it
+    with pytest.raises(PermissionError):
+        os.ftruncate(seg.fd, 1 << 20)                          # nor grow it
+    mm[:5] = b"hello"
+    assert os.pread(seg.fd, 5, 0) == b"hello"
+    assert segment.segment_of(mm) is seg and seg in segment.live_segments()
+
+
+def test_last_view_releases_fd_and_mapping():
+    seg, mm = segment.create(2 << 20, "file_descriptor")
+    key = seg.key
+    view = np.frombuffer(mm, np.uint8)[::3]
+    view2 = view[10:]
+    del mm
+    gc.collect()
+    assert _fds_to(key) and _mapped(key)                   # views keep it alive
+    del view
+    gc.collect()
+    assert _fds_to(key) and _mapped(key)
+    del view2
+    gc.collect()
+    assert not _fds_to(key), "fd of the segment still open after its last view died"
+    assert not _mapped(key), "segment still mapped after its last view died"
+    assert seg.fd == -1 and seg not in segment.live_segments()
+
+
+def test_attach_fd_of_own_segment_is_the_same_mapping():
+    seg, mm = segment.create(8192, "file_descriptor")
+    dup = os.dup(seg.fd)
+    try:
+        assert segment.attach_fd(dup) is mm
+        assert segment.attach_fd(seg.fd) is mm
+    finally:
+        os.close(dup)
+
+
+def _foreign_memfd(size, seals):
+    fd = os.memfd_create("peer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    if size:
+        os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_attach_fd_maps_a_sealed_memfd_once_and_releases_it():
+    fd = _foreign_memfd(16384, SEALS)
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    try:
+        mm = segment.attach_fd(fd)
+        assert len(mm) == 16384
+        assert segment.attach_fd(fd) is mm                     # once per process
+        seg = segment.segment_of(mm)
+        assert seg.owner_pid is None and seg.fd not in (-1, fd)
+    finally:
+        os.close(fd)                                           # borrowed: ours to close
+    a = np.ndarray((10,), np.int64, buffer=mm)
+    a[:] = 3
+    del mm
+    gc.collect()
+    assert _fds_to(key)
+    del a
+    gc.collect()
+    assert not _fds_to(key) and not _mapped(key)
+
+
+@pytest.mark.parametrize("size,seals", [
+    (4096, 0),                                                 # not sealed at all
+    (4096, fcntl.F_SEAL_SHRINK),                               # could still grow
+    (4096, fcntl.F_SEAL_GROW),                                 # could be truncated: SIGBUS
+    (0, SEALS),                                                # empty
+], ids=["unsealed", "shrink-only", "grow-only", "empty"])
+def test_attach_fd_refuses_unsealed_memfd(size, seals):
+    fd = _foreign_memfd(size, seals)
+    try:
+        with pytest.raises(SegmentError):
+            segment.attach_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def test_attach_fd_refuses_what_is_not_a_segment(tmp_path):
+    r, wfd = os.pipe()
+    s1, s2 = socket.socketpair()
+    path = tmp_path / "file"
+    path.write_bytes(b"x" * 4096)
+    ffd = os.open(path, os.O_RDWR)
+    try:
+        for fd in (r, wfd, s1.fileno(), ffd):                  # pipe, socket, a disk file
+            with pytest.raises(SegmentError):
+                segment.attach_fd(fd)
+    finally:
+        for fd in (r, wfd, ffd):
+            os.close(fd)
+        s1.close()
+        s2.close()
+    closed = os.dup(0)
+    os.close(closed)
+    with pytest.raises(SegmentError):
+        segment.attach_fd(closed)                              # not even an fd
+
+
+# -- named segments -------------------------------------------------------------------
+
+def test_named_segment_in_shm_dir_mode_0600_unlinked_when_last_view_dies(tmp_path, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    seg, mm = segment.create(8192, "file_system")
+    assert re.fullmatch(r"sharedmp_[0-9a-f]{20}", seg.name)    # 80 random bits
+    path = tmp_path / seg.name
+    assert seg.path == str(path) and path.exists()
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 8192
+    assert seg.owner_pid == os.getpid() and seg.fd == -1
+    view = np.frombuffer(mm, np.uint8)[100:]
+    del mm
+    gc.collect()
+    assert path.exists()
+    del view
+    gc.collect()
+    assert not path.exists(), "the creator's last view died but the name stays"
+
+
+def test_named_segment_unlinked_where_it_was_made_even_if_dir_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    seg, mm = segment.create(4096, "file_system")
+    path = tmp_path / seg.name
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path / "elsewhere"))
+    del mm
+    gc.collect()
+    assert not path.exists()
+
+
+def test_names_are_unique():
+    segs = [segment.create(4096, "file_system") for _ in range(20)]
+    assert len({s.name for s, _ in segs}) == 20
+    del segs
+
+
+def test_attach_name_is_the_same_mapping_in_the_creator():
+    seg, mm = segment.create(4096, "file_system")
+    assert segment.attach_name(seg.name) is mm
+
+
+@pytest.mark.parametrize("name", [
+    "../etc/passwd", "/etc/passwd", "sharedmp_../../etc/passwd", "sharedmp_" + "0" * 19,
+    "sharedmp_" + "0" * 21, "sharedmp_" + "A" * 20, "sharedmp_" + "0" * 19 + "/",
+    "torch_" + "0" * 20, "", None, 42, b"sharedmp_" + b"0" * 20,
+])
+def test_attach_name_refuses_bad_names(name):
+    with pytest.raises(SegmentError):
+        segment.attach_name(name)
+
+
+def test_attach_name_refuses_missing_and_foreign_files(tmp_path, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    with pytest.raises(SegmentError, match="no longer exists"):
+        segment.attach_name("sharedmp_" + "0" * 20)
+    target = tmp_path / "target"
+    target.write_bytes(b"x" * 4096)
+    (tmp_path / ("sharedmp_" + "1" * 20)).symlink_to(target)   # a symlink is not followed
+    (tmp_path / ("sharedmp_" + "2" * 20)).mkdir()              # a directory
+    (tmp_path / ("sharedmp_" + "3" * 20)).write_bytes(b"")     # empty
+    for k in "123":
+        with pytest.raises(SegmentError):
+            segment.attach_name("sharedmp_" + k * 20)
+
+
+def test_attaching_process_never_unlinks(tmp_path, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    mp.set_sharing_strategy("file_system")
+    a = mp.zeros(1 << 18)                                      # 2 MiB: a named segment of its own
+    seg = mapping_of(a)[1]
+    path = tmp_path / seg.name
+    ctx = multiprocessing.get_context("spawn")
+    r = w.run(ctx, w.attach_and_exit, a[::2], 4.0)            # attaches by name, exits normally
+    assert r == {"name": seg.name, "owner": None}
+    assert path.exists(), "a process that only attached unlinked the segment"
+    assert (a[::2] == 4.0).all() and (a[1::2] == 0).all()
+    r = w.run(ctx, w.attach_and_exit, a, 5.0)                  # and again: the name still works
+    assert (a == 5.0).all() and path.exists()
+    del a
+    gc.collect()
+    assert not path.exists()
+
+
+def test_fork_child_unlinks_what_it_created(tmp_path, monkeypatch):
+    from conftest import join_or_kill
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    mp.set_sharing_strategy("file_system")
+    keep = mp.zeros(10)                                        # the parent's arena, inherited
+    ctx = multiprocessing.get_context("fork")
+    # the child exits through os._exit; it must still remove the segments it made itself
+    p = ctx.Process(target=_alloc_in_child, daemon=True)
+    p.start()
+    assert join_or_kill(p) == 0
+    names = {n for n in os.listdir(tmp_path) if n.startswith(segment.PREFIX)}
+    assert names == {mapping_of(keep)[1].name}, "a fork child left its segments behind"
+    del keep
+
+
+def _alloc_in_child():
+    a = mp.zeros(100)                                          # a fresh arena of the child's
+    b = mp.zeros(1 << 18)                                      # and a segment of its own
+    a[:] = b[:100] = 1
+
+
+# -- running out --------------------------------------------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(where)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield str(where)
+    finally:
+        if subprocess.run(["umount", str(where)], capture_output=True, timeout=30).returncode:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+def test_full_tmpfs_raises_out_of_shared_memory_not_sigbus(small_tmpfs, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, small_tmpfs)
+    mp.set_sharing_strategy("file_system")
+    ctx = multiprocessing.get_context("spawn")                 # inherits both variables
+    r = w.run(ctx, w.exhaust, "tmpfs")                         # exit code 0, not -SIGBUS
+    one_big, many_small = r["texts"]
+    for text in (one_big, many_small):
+        assert text is not None, "allocating more than the tmpfs holds did not raise"
+        assert "cannot reserve" in text and small_tmpfs in text          # what ran out, where
+        assert "SHAREDMP_SHM_DIR" in text and "file_descriptor" in text  # what to do
+    assert "16.0 MiB" in one_big
+    assert 0 < r["held"] <= 1024 and r["touched_ok"]           # what was handed out is real
+    assert not [n for n in os.listdir(small_tmpfs) if n.startswith(segment.PREFIX)]
+
+
+def test_beyond_machine_memory_raises_out_of_shared_memory():
+    mp.set_sharing_strategy("file_descriptor")
+    ctx = multiprocessing.get_context("spawn")
+    r = w.run(ctx, w.exhaust, "memfd")
+    (text,) = r["texts"]
+    assert text is not None and "10.0 TiB" in text and "available" in text
+    assert "smaller arrays" in text                            # what to do
+    assert r["touched_ok"]
+
+
+def test_out_of_shared_memory_is_a_memory_error():
+    assert issubclass(OutOfSharedMemory, MemoryError)
+    with pytest.raises(OutOfSharedMemory):
+        segment.create(1 << 60, "file_descriptor")             # refused before any syscall
+
+
+def test_missing_shm_dir_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path / "missing"))
+    with pytest.raises(OutOfSharedMemory, match="SHAREDMP_SHM_DIR"):
+        segment.create(4096, "file_system")
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_create_refuses_empty_sizes(size):
+    with pytest.raises(ValueError):
+        segment.create(size, "file_descriptor")
+
+
+def test_create_refuses_unknown_kind():
+    with pytest.raises(ValueError, match="nope"):
+        segment.create(4096, "nope")
+
+
+def test_segment_of_foreign_objects_is_none():
+    anon = mmap.mmap(-1, 4096)
+    assert segment.segment_of(anon) is None
+    assert segment.segment_of(bytearray(10)) is None
+    assert mapping_of(np.zeros(3)) == (None, None)
+    anon.close()
