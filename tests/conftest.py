@@ -83,6 +83,7 @@ def no_leaks(request):
         os.environ.pop(mp.strategy.ENV, None)
     else:
         os.environ[mp.strategy.ENV] = strategy
+    mp.strategy.reload_from_environment()
     stray = kill_children()
     if request.node.get_closest_marker("leaks_ok"):
         return

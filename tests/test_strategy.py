@@ -20,13 +20,16 @@ def test_all_strategies():
 
 def test_default_is_file_descriptor(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
+    strategy.reload_from_environment()          # as at the start of a process
     assert mp.get_sharing_strategy() == "file_descriptor"
     monkeypatch.setenv(ENV, "")
+    strategy.reload_from_environment()
     assert mp.get_sharing_strategy() == "file_descriptor"
 
 
 def test_environment_overrides_default(monkeypatch):
     monkeypatch.setenv(ENV, "file_system")
+    strategy.reload_from_environment()
     assert mp.get_sharing_strategy() == "file_system"
 
 
@@ -51,6 +54,7 @@ def test_unknown_name_lists_valid_ones():
 
 def test_bad_environment_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV, "shm")
+    strategy.reload_from_environment()
     with pytest.raises(ValueError) as e:
         mp.get_sharing_strategy()
     assert ENV in str(e.value) and "shm" in str(e.value) and "file_descriptor" in str(e.value)

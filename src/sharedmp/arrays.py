@@ -9,7 +9,10 @@ from .strategy import get_sharing_strategy
 
 
 def _shape(shape):
-    shape = (shape,) if isinstance(shape, int) or np.ndim(shape) == 0 else tuple(shape)
+    if isinstance(shape, int):
+        shape = (shape,)
+    else:
+        shape = (shape,) if np.ndim(shape) == 0 else tuple(shape)
     shape = tuple(operator.index(n) for n in shape)
     if any(n < 0 for n in shape):
         raise ValueError(f"negative dimensions are not allowed: {shape}")

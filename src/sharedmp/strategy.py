@@ -3,7 +3,8 @@
 ``file_descriptor``: anonymous memfd segments whose fds travel with the messages.
 ``file_system``: named segments in a tmpfs directory (``/dev/shm`` by default).
 
-The choice is kept in ``SHAREDMP_SHARING_STRATEGY`` too, so that children started
+The environment variable is read once, when sharedmp first needs the strategy; the
+choice is written back to ``SHAREDMP_SHARING_STRATEGY``, so that children started
 later (spawn, forkserver started afterwards, fork) inherit it; sharedmp's own
 ``Process`` also carries it explicitly (a forkserver may predate the choice).
 """
@@ -29,12 +30,25 @@ def _check(name, where):
     return name
 
 
+_current = None   # cached: reading os.environ costs a microsecond per allocation
+
+
 def get_sharing_strategy():
     """The current strategy: set_sharing_strategy(), else $SHAREDMP_SHARING_STRATEGY, else the default."""
-    name = os.environ.get(ENV)
-    return _DEFAULT if not name else _check(name, f" in ${ENV}")
+    global _current
+    if _current is None:
+        name = os.environ.get(ENV)
+        _current = _DEFAULT if not name else _check(name, f" in ${ENV}")
+    return _current
 
 
 def set_sharing_strategy(name):
     """Choose the strategy for new shared memory here and in children started afterwards."""
-    os.environ[ENV] = _check(name, "")
+    global _current
+    os.environ[ENV] = _current = _check(name, "")
+
+
+def reload_from_environment():
+    """Forget the cached choice; the next get_sharing_strategy() reads the environment."""
+    global _current
+    _current = None

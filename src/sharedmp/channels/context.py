@@ -30,6 +30,7 @@ class _CarryStrategy:
             os.environ.pop(strategy.ENV, None)
         else:
             os.environ[strategy.ENV] = name
+        strategy.reload_from_environment()
         return super()._bootstrap(*args, **kwargs)
 
 

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from .. import __version__
 from ..memory import segment
 from ..memory.segment import PREFIX, SHM_DIR_ENV
+from .. import strategy as _strategy
 from ..strategy import ENV as STRATEGY_ENV
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -480,6 +481,7 @@ def check_round_trip(strategy, fatal):
     name = "round trip"
     saved = os.environ.get(STRATEGY_ENV)
     os.environ[STRATEGY_ENV] = strategy
+    _strategy.reload_from_environment()
     try:
         t0 = time.perf_counter()
         a = arrays.zeros(1024)
@@ -505,6 +507,7 @@ def check_round_trip(strategy, fatal):
             os.environ.pop(STRATEGY_ENV, None)
         else:
             os.environ[STRATEGY_ENV] = saved
+        _strategy.reload_from_environment()
     return Check(name, OK, f"{strategy}: zeros(1024) -> write -> ForkingPickler -> loads: equal, same memory "
                  f"({len(message)}-byte message, {ms:.1f} ms)")
 
