@@ -16,6 +16,7 @@ tensor through multiprocessing's resource sharer).
 """
 import copyreg
 import io
+import math
 import os
 import pickle
 import select
@@ -84,6 +85,7 @@ class Connection:
         if not readable and not writable:
             raise ValueError("at least one of `readable` and `writable` must be True")
         self._sock = sock
+        self._poller = None
         self._readable = readable
         self._writable = writable
 
@@ -117,7 +119,7 @@ class Connection:
 
     def close(self):
         if self._sock is not None:
-            sock, self._sock = self._sock, None
+            sock, self._sock, self._poller = self._sock, None, None
             sock.close()
 
     def __enter__(self):
@@ -177,13 +179,12 @@ class Connection:
 
     def poll(self, timeout=0.0):
         """Whether there is anything to read (waiting up to ``timeout`` s; None: forever)."""
-        return wait_readable(self._check(read=True), timeout)
-
-
-def wait_readable(sock, timeout):
-    p = select.poll()
-    p.register(sock, select.POLLIN)
-    return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000 + 0.999))))
+        sock = self._check(read=True)
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(sock, select.POLLIN)
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        return bool(self._poller.poll(ms))
 
 
 def Pipe(duplex=True):

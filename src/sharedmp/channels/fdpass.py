@@ -75,7 +75,8 @@ MAX_FDS = 1 << 16                     # a sane bound on the fds of one message
 MAX_PAYLOAD = 1 << 40                 # a sane bound on one message's bytes (1 TiB)
 _EAGER = 16 << 20                     # payloads up to this size are allocated at once
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
-_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)      # plain ints: enum flag arithmetic is slow
 
 
 def _rights(fds):
@@ -117,7 +118,7 @@ def _take_fds(ancdata, msg_flags, fds):
             a = array.array("i")
             a.frombytes(data[:len(data) - len(data) % a.itemsize])
             fds.extend(a)
-    if msg_flags & socket.MSG_CTRUNC:
+    if msg_flags & _MSG_CTRUNC:
         raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
                             "receiver's fd limit is too low (raise it with `ulimit -n`)")
 

@@ -20,6 +20,7 @@ a reader; a receiver checks the seals and the size before it builds a view.
 
 All platform branches of sharedmp's memory live in this module.
 """
+import collections
 import errno
 import fcntl
 import mmap
@@ -74,6 +75,23 @@ class Segment:
 _by_mapping = {}
 _by_key = {}
 _lock = threading.Lock()
+
+# A receiver keeps the few small segments (arenas) it attached last mapped, even with no
+# view left: a stream of small arrays, each dropped after use, would otherwise map and
+# unmap its arena for every message. Bigger segments go with their last view.
+KEEP_RECENT = 4
+KEEP_RECENT_MAX_SIZE = 4 << 20
+_recent = collections.deque(maxlen=KEEP_RECENT)
+
+
+def _keep_recent(mm):
+    if len(mm) <= KEEP_RECENT_MAX_SIZE:
+        _recent.append(mm)
+
+
+def forget_recent():
+    """Drop the mappings kept by ``_keep_recent`` (they go once no view uses them)."""
+    _recent.clear()
 
 
 def _address(mm):
@@ -293,6 +311,7 @@ def attach_fd(fd):
         raise
     seg = Segment("file_descriptor", key, st.st_size, own, None, mm, owner=False)
     _register(seg, mm)
+    _keep_recent(mm)
     return mm
 
 
@@ -324,6 +343,7 @@ def attach_name(name):
         os.close(fd)
     seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False, path=path)
     _register(seg, mm)
+    _keep_recent(mm)
     return mm
 
 

@@ -1,0 +1,946 @@
+"""``python -m sharedmp bench [--quick] [--json FILE] [--plot FILE]``: side-by-side speed.
+
+One run measures, on this machine and at the same time, these systems:
+
+``sharedmp``
+    ``sharedmp.get_context("spawn").Queue()``; arrays made with ``sharedmp.empty``.
+``torch file_descriptor`` / ``torch file_system``
+    ``torch.multiprocessing.get_context("spawn").Queue()`` with that sharing strategy set
+    in both processes; CPU tensors made with ``torch.empty`` (torch moves them into
+    shared memory on ``put``). "n/a" when torch is not installed.
+``stdlib``
+    ``multiprocessing.get_context("spawn").Queue()``; plain NumPy arrays, pickled by value.
+
+How it is measured (the same for every system):
+
+- Every system runs in fresh processes: a consumer started with ``subprocess`` (this
+  file run as a script, so that it imports only what its system needs: the stdlib and
+  torch ones never import sharedmp, whose NumPy reducers would otherwise turn the
+  "stdlib" column into shared memory) and a producer it starts with the spawn method.
+  Full runs use a fresh pair per (system, workload); ``--quick`` one pair per system.
+- Each round, the consumer releases a semaphore; the producer then puts a start marker
+  and the round's messages, making (allocating and filling) each array as it goes. The
+  time is from the consumer's ``get()`` of the marker to its last ``get()``; it reads one
+  element of each array it receives, then drops it (W6 keeps them). A warm-up round is
+  not timed; the figure is the best of the timed rounds.
+- The producer stays alive until the consumer has received everything (torch's
+  file_descriptor strategy serves its fds from the producer's resource sharer).
+- Queues are bounded to about 256 MiB in flight, so that the big workloads keep memory
+  modest; OMP_NUM_THREADS=1 and ``torch.set_num_threads(1)``, so that every system
+  fills its arrays with one thread, as NumPy does.
+- Every subprocess has a timeout; on expiry its process group is killed and the table
+  says "timeout".
+
+The machine's bounds are measured in the same run: memcpy (``np.copyto`` of 64 MiB),
+allocation + fill (a fresh ``np.empty`` of 64 MiB filled, in a loop) and round trips of
+a tiny message over ``multiprocessing.Pipe`` between two processes.
+
+This module must stay importable without sharedmp: its top level imports only the
+standard library (the workers import NumPy, torch or sharedmp as their system needs).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+MARK = "@@sharedmp-bench@@ "
+MiB = 1 << 20
+GB = 1e9
+F32 = 4
+
+SYSTEMS = [                       # (key, column title)
+    ("sharedmp", "sharedmp"),
+    ("torch_fd", "torch fd"),
+    ("torch_fs", "torch fs"),
+    ("stdlib", "stdlib"),
+]
+TORCH_STRATEGY = {"torch_fd": "file_descriptor", "torch_fs": "file_system"}
+COLORS = {"sharedmp": "#d62728", "torch_fd": "#1f77b4", "torch_fs": "#9ecae1", "stdlib": "#7f7f7f"}
+LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "torch_fd": "torch file_descriptor",
+              "torch_fs": "torch file_system", "stdlib": "stdlib (pickled by value)"}
+
+
+def state_dict_shapes():
+    """A small CNN's state_dict: 33 conv+batchnorm pairs over widths 16..128, and a head.
+
+    200 arrays, 5.6 MiB, as ``torch.nn`` lays it out: a conv weight, then the batchnorm's
+    weight, bias, running_mean, running_var (float32) and num_batches_tracked (int64, 0-d).
+    """
+    shapes = []
+
+    def conv_bn(cin, cout):
+        shapes.append(((cout, cin, 3, 3), "float32"))
+        shapes.extend([((cout,), "float32")] * 4)
+        shapes.append(((), "int64"))
+
+    conv_bn(3, 16)
+    cin = 16
+    for width in (16, 32, 64, 128):
+        for _ in range(8):
+            conv_bn(cin, width)
+            cin = width
+    shapes.append(((10, cin), "float32"))
+    shapes.append(((10,), "float32"))
+    return shapes
+
+
+def _nbytes(shapes):
+    total = 0
+    for shape, dtype in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * (8 if dtype == "int64" else 4)
+    return total
+
+
+# id, full count, kind, shape (float32 elements), what the table shows
+WORKLOADS = [
+    dict(id="W1", n=5000, kind="fresh", shape=[256], title="fresh 1 KiB array each",
+         metrics=["msgs"]),
+    dict(id="W2", n=1000, kind="fresh", shape=[256 * 1024], title="fresh 1 MiB array each",
+         metrics=["msgs", "gbps"]),
+    dict(id="W3", n=40, kind="fresh", shape=[16 * MiB], title="fresh 64 MiB array each",
+         metrics=["gbps"]),
+    dict(id="W4", n=20, kind="state_dict", title="fresh CNN state_dict (200 arrays, {size}) each",
+         metrics=["msgs"]),
+    dict(id="W5", n=200, kind="same", shape=[16 * MiB], title="the same shared 64 MiB array",
+         metrics=["msgs"], stdlib_fraction=0.1),
+    dict(id="W6", n=5000, kind="fresh", shape=[256], keep=True,
+         title="fds held while keeping the 1 KiB arrays alive", metrics=["fds"]),
+]
+METRIC_UNITS = {"msgs": "msg/s", "gbps": "GB/s", "fds": "fds (lower is better)"}
+
+TARGETS = [   # (workload, metric, against, at least / at most, factor, text)
+    ("W1", "msgs", "torch_fd", ">=", 80, "W1 >= 80x torch fd"),
+    ("W1", "msgs", "stdlib", ">=", 1.0, "W1 >= 1.0x stdlib"),
+    ("W3", "gbps", "torch_fd", ">=", 2, "W3 >= 2x torch fd"),
+    ("W3", "gbps", "alloc_fill", ">=", 0.7, "W3 >= 0.7x alloc+fill bound"),
+    ("W4", "msgs", "torch_fd", ">=", 30, "W4 >= 30x torch fd"),
+    ("W5", "msgs", None, ">=", 10000, "W5 >= 10,000 msg/s"),
+    ("W6", "fds", None, "<=", 32, "W6 <= 32 fds for 5,000 live arrays"),
+]
+
+
+# =================================================================== worker side
+#
+# Run as ``python bench.py --worker SPEC``: the consumer of one system (or the bounds).
+# Its producer is a spawned child that runs ``_producer`` from this same file.
+
+def _emit(obj):
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _raise_nofile():
+    """Soft RLIMIT_NOFILE up to the hard limit (torch file_descriptor holds an fd per tensor)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return None
+
+
+def _nfds():
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _context(system):
+    """The spawn context of ``system`` (importing only what it needs)."""
+    if system == "sharedmp":
+        import sharedmp
+        return sharedmp.get_context("spawn")
+    if system in TORCH_STRATEGY:
+        import torch
+        import torch.multiprocessing as tmp
+        torch.set_num_threads(1)
+        tmp.set_sharing_strategy(TORCH_STRATEGY[system])
+        return tmp.get_context("spawn")
+    import multiprocessing
+    return multiprocessing.get_context("spawn")
+
+
+def _maker(system, w):
+    """A function i -> the i-th message of workload ``w`` for ``system``."""
+    import numpy as np
+    kind = w["kind"]
+    if system in TORCH_STRATEGY:
+        import torch
+        dtypes = {"float32": torch.float32, "int64": torch.int64}
+
+        def new(shape, dtype="float32"):
+            return torch.empty(shape, dtype=dtypes[dtype])
+
+        def fill(a, v):
+            a.fill_(v)
+            return a
+    else:
+        if system == "sharedmp":
+            import sharedmp
+            empty = sharedmp.empty
+        else:
+            empty = np.empty
+
+        def new(shape, dtype="float32"):
+            return empty(tuple(shape), dtype=dtype)
+
+        def fill(a, v):
+            a.fill(v)
+            return a
+
+    if kind == "fresh":
+        shape = tuple(w["shape"])
+        return lambda i: fill(new(shape), i)
+    if kind == "state_dict":
+        shapes = [(tuple(s), d) for s, d in w["shapes"]]
+        names = [f"layer{k}" for k in range(len(shapes))]
+        return lambda i: {name: fill(new(s, d), i) for name, (s, d) in zip(names, shapes)}
+    if kind == "same":
+        a = fill(new(tuple(w["shape"])), 1)
+        if system in TORCH_STRATEGY:
+            a.share_memory_()        # once; every message then refers to the same storage
+        return lambda i: a
+    raise ValueError(f"unknown workload kind {kind!r}")
+
+
+def _toucher(system):
+    """A function that reads one element of each array of a message."""
+    if system in TORCH_STRATEGY:
+        def one(a):
+            return a.numpy().item(0)
+    else:
+        def one(a):
+            return a.item(0)
+
+    def touch(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                one(v)
+        else:
+            one(x)
+    return touch
+
+
+def _foreign_modules(system):
+    """The modules that must not be loaded in this system's processes but are."""
+    banned = {"sharedmp": ["torch"], "stdlib": ["sharedmp", "torch"]}.get(system, ["sharedmp"])
+    return [m for m in banned if m in sys.modules]
+
+
+def _producer(system, plan, queues, go, done, timeout):
+    """The producer (a spawned child): for each round, a marker then the round's messages."""
+    _raise_nofile()
+    _context(system)                  # the torch strategy is per process: set it here too
+    for w, q in zip(plan, queues):
+        make = _maker(system, w)
+        for count in w["counts"]:
+            if not go.acquire(timeout=timeout):
+                return
+            q.put(("start", _foreign_modules(system)))
+            for i in range(count):
+                q.put(make(i))
+        del make
+    done.wait(timeout)
+
+
+def _consume(w, q, go, touch, system):
+    """Receive the rounds of one workload; its figures."""
+    from time import perf_counter
+    keep = bool(w.get("keep"))
+    counts = w["counts"]
+    timed = range(1, len(counts)) if len(counts) > 1 else range(len(counts))
+    seconds, fds, foreign = [], [], set(_foreign_modules(system))
+    for r, count in enumerate(counts):
+        kept = []
+        fds_before = _nfds()
+        go.release()
+        marker = q.get()
+        t0 = perf_counter()
+        for _ in range(count):
+            x = q.get()
+            touch(x)
+            if keep:
+                kept.append(x)
+        t1 = perf_counter()
+        x = None
+        if r in timed:
+            seconds.append(t1 - t0)
+            fds.append(_nfds() - fds_before)
+        kept = None
+        if not (isinstance(marker, tuple) and marker[0] == "start"):
+            raise RuntimeError(f"expected the start marker, got {marker!r}")
+        foreign.update(marker[1])
+    n = counts[-1]
+    best = min(seconds)
+    out = {"workload": w["id"], "status": "ok", "n": n, "rounds_s": seconds, "seconds": best,
+           "msgs": n / best if best > 0 else None,
+           "gbps": n * w["bytes"] / best / GB if best > 0 else None}
+    if keep:
+        out["fds"] = max(fds)
+        out["fd_limit"] = _raise_nofile()
+    if foreign:
+        out["status"] = "error"
+        out["error"] = f"{system} processes imported {sorted(foreign)}: the figures would be wrong"
+    return out
+
+
+def _consumer_main(spec):
+    system, plan, timeout = spec["system"], spec["plan"], spec["timeout"]
+    ctx = _context(system)
+    touch = _toucher(system)
+    queues = [ctx.Queue(w["maxsize"]) for w in plan]
+    go, done = ctx.Semaphore(0), ctx.Event()
+    p = ctx.Process(target=_producer, args=(system, plan, queues, go, done, timeout), daemon=True)
+    p.start()
+    try:
+        for w, q in zip(plan, queues):
+            try:
+                _emit(_consume(w, q, go, touch, system))
+            except Exception as e:     # report it and stop: the producer is out of step now
+                _emit({"workload": w["id"], "status": "error", "error": f"{type(e).__name__}: {e}"})
+                raise
+    finally:
+        done.set()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    return 0
+
+
+def _echo(conn):
+    while True:
+        m = conn.recv_bytes()
+        if not m:
+            return
+        conn.send_bytes(m)
+
+
+def _bounds_main(spec):
+    """memcpy, allocation + fill, and Pipe round trips: this machine's bounds, best of rounds."""
+    import multiprocessing
+
+    import numpy as np
+    from time import perf_counter
+    rounds, loops, trips = spec["rounds"], spec["loops"], spec["trips"]
+    n = 16 * MiB                                     # 64 MiB of float32
+    nbytes = n * F32
+    src = np.ones(n, np.float32)
+    dst = np.zeros(n, np.float32)
+    np.copyto(dst, src)
+    best = []
+    for _ in range(rounds + 1):
+        t0 = perf_counter()
+        for _ in range(loops):
+            np.copyto(dst, src)
+        best.append(loops * nbytes / (perf_counter() - t0) / GB)
+    memcpy = max(best[1:])
+    del src, dst
+    best = []
+    for _ in range(rounds + 1):
+        t0 = perf_counter()
+        for i in range(loops):
+            a = np.empty(n, np.float32)
+            a.fill(i)
+            del a
+        best.append(loops * nbytes / (perf_counter() - t0) / GB)
+    alloc_fill = max(best[1:])
+    ctx = multiprocessing.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_echo, args=(b,), daemon=True)
+    p.start()
+    best = []
+    try:
+        for _ in range(rounds + 1):
+            t0 = perf_counter()
+            for _ in range(trips):
+                a.send_bytes(b"x")
+                a.recv_bytes()
+            best.append(trips / (perf_counter() - t0))
+        a.send_bytes(b"")
+    finally:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    _emit({"workload": "bounds", "status": "ok", "memcpy_gbps": memcpy, "alloc_fill_gbps": alloc_fill,
+           "pipe_roundtrips_per_s": max(best[1:]), "loops": loops, "trips": trips,
+           "foreign_modules": _foreign_modules("stdlib")})
+    return 0
+
+
+def _worker_main(argv):
+    here = os.path.dirname(os.path.abspath(__file__))
+    # Run as a script, Python put this package's directory first on sys.path: drop it,
+    # so that its modules cannot shadow others (spawned children inherit sys.path).
+    if sys.path and sys.path[0] and os.path.abspath(sys.path[0]) == here:
+        del sys.path[0]
+    spec = json.loads(argv[1])
+    _raise_nofile()
+    if spec["system"] == "bounds":
+        return _bounds_main(spec)
+    return _consumer_main(spec)
+
+
+# =================================================================== parent side
+
+def _fmt_num(v):
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:,.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    if v >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def _fmt_ratio(v):
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:,.0f}x"
+    if v >= 10:
+        return f"{v:.1f}x"
+    return f"{v:.2g}x"
+
+
+def _fmt_size(n):
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def _scaled(n, scale, minimum=2):
+    return max(minimum, int(round(n * scale)))
+
+
+def make_plan(scale, rounds):
+    """The workloads with their counts at ``scale``: one dict per workload (and system tweaks)."""
+    shapes = state_dict_shapes()
+    plan = []
+    for base in WORKLOADS:
+        w = dict(base)
+        if w["kind"] == "state_dict":
+            w["shapes"] = [[list(s), d] for s, d in shapes]
+            w["bytes"] = _nbytes(shapes)
+            w["title"] = w["title"].format(size=_fmt_size(w["bytes"]))
+        else:
+            w["bytes"] = _nbytes([(tuple(w["shape"]), "float32")])
+        w["n"] = _scaled(w["n"], scale, minimum=10 if w.get("keep") else 2)
+        # bounded queues keep about 256 MiB in flight at most
+        w["maxsize"] = max(4, min(10000, (256 * MiB) // w["bytes"]))
+        plan.append(w)
+    return plan
+
+
+def _counts(w, system, rounds):
+    """[warm-up, timed, timed, ...] message counts of ``w`` for ``system``."""
+    n = w["n"]
+    if system == "stdlib" and w.get("stdlib_fraction"):
+        n = max(2, int(round(n * w["stdlib_fraction"])))
+    if w.get("keep"):
+        return [n]                     # W6: one round, nothing received before it
+    warm = max(1, min(50, n // 10))
+    return [warm] + [n] * rounds
+
+
+def _worker_env():
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["SHAREDMP_SHARING_STRATEGY"] = "file_descriptor"   # the sharedmp column's strategy
+    env.pop("SHAREDMP_KEEP_ORPHANS", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_worker(spec, timeout):
+    """Run one worker; (list of its result dicts, status, stderr tail, seconds)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_worker_env(), start_new_session=True)
+    status = "ok"
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+        _kill_group(proc)
+        out, err = proc.communicate()
+    else:
+        _kill_group(proc)              # whatever it started and left behind
+        if proc.returncode != 0:
+            status = "error"
+    results = []
+    for line in out.splitlines():
+        if line.startswith(MARK):
+            try:
+                results.append(json.loads(line[len(MARK):]))
+            except ValueError:
+                pass
+    tail = "\n".join(err.strip().splitlines()[-15:])
+    return results, status, tail, time.monotonic() - t0
+
+
+def _shm_entries():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def _in_use(paths):
+    """The paths of ``paths`` that some process maps or holds open."""
+    paths, used = set(paths), set()
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    for p in paths:
+                        if p in line:
+                            used.add(p)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}").removesuffix(" (deleted)")
+                except OSError:
+                    continue
+                if target in paths:
+                    used.add(target)
+        except OSError:
+            continue
+    return used
+
+
+def _clean_shm(new_names):
+    """Remove what the killed workers left in /dev/shm (ours: torch_* and sharedmp_*, unused)."""
+    paths = {os.path.join("/dev/shm", n) for n in new_names
+             if n.startswith(("torch_", "sharedmp_"))}
+    removed = []
+    for p in sorted(paths - _in_use(paths)):
+        try:
+            os.unlink(p)
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def _torch_available():
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
+
+
+def _dist_version(name):
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info():
+    import platform
+    info = {"platform": platform.platform(), "machine": platform.machine(),
+            "python": platform.python_version(), "executable": sys.executable,
+            "cpus": os.cpu_count()}
+    try:
+        info["cpus_usable"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal"):
+                    info["memory_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            info["transparent_hugepages"] = f.read().strip()
+    except OSError:
+        pass
+    try:
+        info["loadavg_start"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def versions():
+    from .. import __version__
+    return {"sharedmp": __version__, "numpy": _dist_version("numpy"), "torch": _dist_version("torch"),
+            "matplotlib": _dist_version("matplotlib"), "python": sys.version.split()[0]}
+
+
+def _value(res, metric):
+    if res is None or res.get("status") != "ok":
+        return None
+    v = res.get(metric)
+    return v if isinstance(v, (int, float)) else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def compute_ratios(report):
+    out = {}
+    bound = (report.get("bounds") or {}).get("alloc_fill_gbps")
+    for w in report["workloads"]:
+        res = report["results"][w["id"]]
+        for metric in w["metrics"]:
+            mine = _value(res.get("sharedmp"), metric)
+            r = {"vs_torch_fd": _ratio(mine, _value(res.get("torch_fd"), metric)),
+                 "vs_torch_fs": _ratio(mine, _value(res.get("torch_fs"), metric)),
+                 "vs_stdlib": _ratio(mine, _value(res.get("stdlib"), metric))}
+            if w["id"] == "W3" and metric == "gbps":
+                r["vs_alloc_fill_bound"] = _ratio(mine, bound)
+            out[f"{w['id']}:{metric}"] = r
+    return out
+
+
+def check_targets(report):
+    out = []
+    bounds = report.get("bounds") or {}
+    for wid, metric, against, op, factor, text in TARGETS:
+        res = report["results"].get(wid, {})
+        mine = _value(res.get("sharedmp"), metric)
+        if against is None:
+            got = mine
+        elif against == "alloc_fill":
+            got = _ratio(mine, bounds.get("alloc_fill_gbps"))
+        else:
+            got = _ratio(mine, _value(res.get(against), metric))
+        met = None if got is None else (got >= factor if op == ">=" else got <= factor)
+        out.append({"target": text, "workload": wid, "value": got, "met": met,
+                    "kind": "absolute" if against is None else "ratio"})
+    return out
+
+
+def _cell(res, metric):
+    if res is None:
+        return "n/a"
+    status = res.get("status")
+    if status != "ok":
+        return status
+    v = _value(res, metric)
+    if metric == "fds":
+        return f"{v:,}" if v is not None else "-"
+    return _fmt_num(v)
+
+
+def format_table(report):
+    systems = [s for s, _ in SYSTEMS]
+    head = ["workload", "unit"] + [t for _, t in SYSTEMS] + ["smp/torch fd", "smp/stdlib", "smp/bound"]
+    rows = []
+    bounds = report.get("bounds") or {}
+    for w in report["workloads"]:
+        res = report["results"][w["id"]]
+        for k, metric in enumerate(w["metrics"]):
+            if k == 0:
+                label = f"{w['id']} {w['n']:,} x {w['title']}"
+                if w["id"] == "W6":
+                    label = f"{w['id']} {w['title']} ({w['n']:,})"
+                if w.get("stdlib_fraction"):
+                    sn = (res.get("stdlib") or {}).get("n")
+                    if sn:
+                        label += f" [stdlib: {sn:,}, by value]"
+            else:
+                label = f"{w['id']}"
+            ratios = report["ratios"][f"{w['id']}:{metric}"]
+            bound = _fmt_ratio(ratios.get("vs_alloc_fill_bound")) if "vs_alloc_fill_bound" in ratios else ""
+            rows.append([label, METRIC_UNITS[metric]] + [_cell(res.get(s), metric) for s in systems]
+                        + [_fmt_ratio(ratios["vs_torch_fd"]), _fmt_ratio(ratios["vs_stdlib"]), bound])
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    lines = []
+    sep = "  "
+    fmt_row = lambda r: sep.join(  # noqa: E731
+        (str(c).ljust(widths[i]) if i < 2 else str(c).rjust(widths[i])) for i, c in enumerate(r)).rstrip()
+    lines.append(fmt_row(head))
+    lines.append(sep.join("-" * w for w in widths))
+    lines.extend(fmt_row(r) for r in rows)
+    if bounds.get("status") == "ok":
+        lines.append("")
+        lines.append(f"machine bounds: memcpy (np.copyto 64 MiB) {bounds['memcpy_gbps']:.2f} GB/s;  "
+                     f"alloc+fill (np.empty 64 MiB + fill) {bounds['alloc_fill_gbps']:.2f} GB/s;  "
+                     f"Pipe round trips {bounds['pipe_roundtrips_per_s']:,.0f}/s")
+    else:
+        lines.append(f"machine bounds: {bounds.get('status', 'n/a')}")
+    return "\n".join(lines)
+
+
+def format_header(report):
+    m, v = report["machine"], report["versions"]
+    mode = "quick" if report["quick"] else "full"
+    return (f"sharedmp bench ({mode}: scale {report['scale']:g}, best of {report['rounds']} timed "
+            f"round{'s' if report['rounds'] != 1 else ''}, spawn, fresh processes per "
+            f"{report['isolation']})\n"
+            f"{m.get('cpu', m['machine'])}, {m.get('cpus_usable', m['cpus'])} CPUs, "
+            f"{m.get('memory_gib', '?')} GiB; Python {v['python']}, numpy {v['numpy']}, "
+            f"torch {v['torch'] or 'n/a'}, sharedmp {v['sharedmp']}")
+
+
+def format_footer(report):
+    lines = ["", "targets:"]
+    for t in report["targets"]:
+        if t["value"] is None:
+            val, mark = "n/a", "?"
+        else:
+            val = _fmt_ratio(t["value"]) if t["kind"] == "ratio" else _fmt_num(t["value"])
+            mark = "met" if t["met"] else "MISSED"
+        lines.append(f"  {t['target']:<40} {val:>10}  {mark}")
+    left = report.get("shm_left", [])
+    lines.append("")
+    lines.append("/dev/shm after the run: " + ("clean" if not left else "LEFT " + ", ".join(left)))
+    if report.get("shm_removed"):
+        lines.append("  removed after a timeout: " + ", ".join(report["shm_removed"]))
+    for s in report.get("problems", []):
+        lines.append("problem: " + s)
+    lines.append(f"wall time {report['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plot
+
+def plot(report, path):
+    """A bar chart per workload (log scale), one bar per system; writes ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'sharedmp[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for w in report["workloads"]:
+        metric = "gbps" if "gbps" in w["metrics"] else w["metrics"][0]
+        panels.append((w, metric))
+    ncols = 3
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
+    bounds = report.get("bounds") or {}
+    for ax, (w, metric) in zip(axes.flat, panels):
+        res = report["results"][w["id"]]
+        names = [t for _, t in SYSTEMS]
+        vals = [_value(res.get(s), metric) for s, _ in SYSTEMS]
+        good = [v for v in vals if v]
+        lo = min(good) if good else 1
+        hi = max(good) if good else 10
+        base = 10 ** (int(__import__("math").floor(__import__("math").log10(lo))) - 1) if lo > 0 else 0.1
+        if metric == "fds":
+            base = 0.5
+        xs = range(len(names))
+        heights = [(v if v else base) - base for v in vals]
+        bars = ax.bar(xs, heights, bottom=base, color=[COLORS[s] for s, _ in SYSTEMS],
+                      edgecolor="black", linewidth=0.5)
+        ax.set_yscale("log")
+        top = max(hi, base * 10) * 8
+        if w["id"] == "W3" and bounds.get("alloc_fill_gbps"):
+            b = bounds["alloc_fill_gbps"]
+            ax.axhline(b, color="black", linestyle="--", linewidth=1)
+            ax.text(len(names) - 0.5, b, f"alloc+fill bound {b:.2f}", ha="right", va="bottom", fontsize=8)
+            top = max(top, b * 8)
+        ax.set_ylim(base, top)
+        for bar, v, (s, _) in zip(bars, vals, SYSTEMS):
+            cell = _cell(res.get(s), metric)
+            if v:
+                label = _fmt_num(v) if metric != "fds" else f"{int(v):,}"
+                ax.text(bar.get_x() + bar.get_width() / 2, v * 1.15, label, ha="center", va="bottom",
+                        fontsize=9, fontweight="bold" if s == "sharedmp" else "normal")
+            else:
+                ax.text(bar.get_x() + bar.get_width() / 2, base * 1.3, cell, ha="center", va="bottom",
+                        fontsize=9, color="darkred", rotation=90)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, fontsize=9)
+        unit = METRIC_UNITS[metric]
+        title = f"{w['id']}: {w['n']:,} x {w['title']}" if w["id"] != "W6" else \
+            f"W6: fds held for {w['n']:,} live 1 KiB arrays"
+        ax.set_title(title, fontsize=9.5)
+        ax.set_ylabel(unit + ("" if metric == "fds" else " (higher is better)"), fontsize=9)
+        ax.grid(axis="y", which="major", alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    m = report["machine"]
+    sub = (f"{m.get('cpu', '')}, {m.get('cpus_usable', m['cpus'])} CPUs; spawn; best of "
+           f"{report['rounds']}; scale {report['scale']:g}")
+    if bounds.get("status") == "ok":
+        sub += (f"; memcpy {bounds['memcpy_gbps']:.1f} GB/s, alloc+fill {bounds['alloc_fill_gbps']:.1f} GB/s, "
+                f"Pipe {bounds['pipe_roundtrips_per_s']:,.0f} round trips/s")
+    fig.suptitle("sharedmp vs torch.multiprocessing vs multiprocessing (log scale)\n" + sub, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- run
+
+def _log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isolation=None):
+    """Run everything; the report (a JSON-able dict)."""
+    t_start = time.monotonic()
+    shm_before = _shm_entries()
+    plan = make_plan(scale, rounds)
+    if workloads:
+        plan = [w for w in plan if w["id"] in workloads]
+    have_torch = _torch_available()
+    chosen = [s for s, _ in SYSTEMS if systems is None or s in systems]
+    runnable = [s for s in chosen if have_torch or s not in TORCH_STRATEGY]
+    if isolation is None:
+        isolation = "system" if quick or scale < 1 else "workload"
+    report = {"command": [sys.executable, "-m", "sharedmp"] + sys.argv[1:] if sys.argv else [],
+              "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "quick": quick, "scale": scale, "rounds": rounds, "isolation": isolation,
+              "machine": machine_info(), "versions": versions(),
+              "systems": {s: LONG_NAMES[s] for s, _ in SYSTEMS},
+              "workloads": [{k: v for k, v in w.items() if k != "shapes"} for w in plan],
+              "results": {w["id"]: {s: None for s, _ in SYSTEMS} for w in plan},
+              "workers": [], "problems": []}
+    if any(w["kind"] == "state_dict" for w in plan):
+        report["state_dict_shapes"] = [[list(s), d] for s, d in state_dict_shapes()]
+    per_msg_timeout = timeout
+
+    def worker_timeout(ws):
+        if per_msg_timeout is not None:
+            return per_msg_timeout
+        return max(60.0, 150.0 * scale * rounds * len(ws) / 3 + 30.0 * len(ws))
+
+    # the bounds
+    loops = _scaled(WORKLOADS[2]["n"], scale, minimum=4)
+    spec = {"system": "bounds", "rounds": rounds, "loops": loops, "trips": _scaled(20000, scale, 500)}
+    _log("bounds ...")
+    res, status, tail, secs = run_worker(spec, worker_timeout([1]))
+    report["workers"].append({"system": "bounds", "status": status, "seconds": secs})
+    report["bounds"] = res[0] if res else {"status": status, "error": tail}
+    if res and res[0].get("foreign_modules"):
+        report["problems"].append(f"the bounds worker imported {res[0]['foreign_modules']}")
+    if not res:
+        report["problems"].append(f"bounds: {status}: {tail}")
+
+    # the systems
+    if isolation == "workload":
+        batches = [(s, [w]) for w in plan for s in runnable]
+    else:
+        batches = [(s, plan) for s in runnable]
+    timed_out = False
+    for system, ws in batches:
+        sp = []
+        for w in ws:
+            ww = {k: v for k, v in w.items()}
+            ww["counts"] = _counts(w, system, rounds)
+            sp.append(ww)
+        spec = {"system": system, "plan": sp, "timeout": worker_timeout(ws)}
+        _log(f"{system:<9} {' '.join(w['id'] for w in ws)} ...")
+        results, status, tail, secs = run_worker(spec, worker_timeout(ws))
+        report["workers"].append({"system": system, "workloads": [w["id"] for w in ws],
+                                  "status": status, "seconds": secs})
+        got = {r["workload"]: r for r in results}
+        for w in ws:
+            r = got.get(w["id"])
+            if r is None:
+                r = {"status": "timeout" if status == "timeout" else "error"}
+                if status != "timeout":
+                    r["error"] = tail
+            report["results"][w["id"]][system] = r
+            if r.get("status") == "ok":
+                shown = ", ".join(f"{_fmt_num(r.get(m))} {METRIC_UNITS[m]}" for m in w["metrics"])
+                _log(f"    {w['id']} {system}: {shown}")
+            else:
+                _log(f"    {w['id']} {system}: {r['status']} {r.get('error', '')}")
+                report["problems"].append(f"{w['id']} {system}: {r['status']} {r.get('error', '')}".strip())
+        if status == "timeout":
+            timed_out = True
+        elif status == "error" and tail and not any(r.get("status") != "ok" for r in results):
+            report["problems"].append(f"{system}: exited with an error: {tail}")
+
+    report["ratios"] = compute_ratios(report)
+    report["targets"] = check_targets(report)
+    # What is left in /dev/shm: releases may trail the processes a moment (torch_shm_manager).
+    deadline = time.monotonic() + 5
+    while (new := _shm_entries() - shm_before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    report["shm_removed"] = _clean_shm(new) if timed_out and new else []
+    report["shm_left"] = sorted(_shm_entries() - shm_before)
+    try:
+        report["machine"]["loadavg_end"] = os.getloadavg()
+    except OSError:
+        pass
+    report["wall_s"] = time.monotonic() - t_start
+    return report
+
+
+def add_parser(subparsers):
+    import argparse
+
+    from . import COMMANDS
+    p = subparsers.add_parser(
+        "bench", help=COMMANDS["bench"], description=COMMANDS["bench"] + ". " +
+        "Each system runs in fresh processes (spawn); the table shows messages/s, GB/s or fds, "
+        "and sharedmp's ratio to torch (file_descriptor) and to the standard library.")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller counts, one timed round (under a minute)")
+    p.add_argument("--json", metavar="FILE", help="write every figure, the machine and the versions to FILE")
+    p.add_argument("--plot", metavar="FILE", help="draw a bar chart to FILE (needs matplotlib)")
+    p.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--systems", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workloads", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--isolation", choices=["workload", "system"], default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def run(args):
+    if args.plot:                      # fail before minutes of measuring, not after
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot needs matplotlib: pip install 'sharedmp[bench]'", file=sys.stderr)
+            return 2
+    scale = args.scale if args.scale is not None else (0.2 if args.quick else 1.0)
+    if not scale > 0:
+        print("error: --scale must be > 0", file=sys.stderr)
+        return 2
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick or scale < 1 else 3)
+    systems = set(args.systems.split(",")) if args.systems else None
+    workloads = set(args.workloads.split(",")) if args.workloads else None
+    report = bench(scale, max(1, rounds), args.quick, timeout=args.timeout, systems=systems,
+                   workloads=workloads, isolation=args.isolation)
+    print(format_header(report))
+    print()
+    print(format_table(report))
+    if args.plot:
+        plot(report, args.plot)
+        report["plot"] = os.path.abspath(args.plot)
+    print(format_footer(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    return 1 if report["problems"] or report["shm_left"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))
