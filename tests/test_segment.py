@@ -117,6 +117,9 @@ def test_attach_fd_maps_a_sealed_memfd_once_and_releases_it():
     assert _fds_to(key)
     del a
     gc.collect()
+    assert _fds_to(key), "a small received segment stays among the recent ones"
+    segment.forget_recent()
+    gc.collect()
     assert not _fds_to(key) and not _mapped(key)
 
 
@@ -333,3 +336,31 @@ def test_segment_of_foreign_objects_is_none():
     assert segment.segment_of(bytearray(10)) is None
     assert mapping_of(np.zeros(3)) == (None, None)
     anon.close()
+
+
+def _sealed_memfd(size):
+    fd = os.memfd_create("sharedmp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.posix_fallocate(fd, 0, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, segment.SEALS)
+    st = os.fstat(fd)
+    return fd, (st.st_dev, st.st_ino)
+
+
+def test_receiver_keeps_only_its_few_most_recent_small_segments():
+    segment.forget_recent()
+    made = [_sealed_memfd(4096) for _ in range(segment.KEEP_RECENT + 2)]
+    big_fd, big_key = _sealed_memfd(segment.KEEP_RECENT_MAX_SIZE + 4096)
+    try:
+        for fd, _ in made:
+            segment.attach_fd(fd)             # each view dropped at once
+        segment.attach_fd(big_fd)
+        gc.collect()
+        kept = [key for _, key in made if _mapped(key)]
+        assert kept == [key for _, key in made[-segment.KEEP_RECENT:]]
+        assert not _mapped(big_key), "a big segment must go with its last view"
+        segment.forget_recent()
+        gc.collect()
+        assert not any(_mapped(key) for _, key in made)
+    finally:
+        for fd, _ in made + [(big_fd, big_key)]:
+            os.close(fd)
