@@ -8,10 +8,12 @@ received fds up by index. Outside a sharedmp channel there is no ``OutOfBand`` a
 reducers fall back to multiprocessing's ``DupFd``.
 """
 import array
+import errno
 import os
 import socket
 import struct
 import threading
+import time
 
 from ..errors import ProtocolError
 
@@ -83,19 +85,40 @@ def _rights(fds):
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
 
 
+def _sendmsg(sock, buffers, fds):
+    """sendmsg with ``fds`` attached, waiting while the kernel refuses more fds in flight.
+
+    Linux counts the fds a user has in flight (sent, not yet received, on any socket) and
+    refuses more than RLIMIT_NOFILE of them with ETOOMANYREFS unless the sender has
+    CAP_SYS_RESOURCE. Receivers take them out of flight as they read, so this is
+    back-pressure like a full socket buffer: wait and retry (nothing was sent).
+    """
+    if not fds:
+        return sock.sendmsg(buffers)
+    delay = 0.0005
+    while True:
+        try:
+            return sock.sendmsg(buffers, _rights(fds))
+        except OSError as e:
+            if e.errno != errno.ETOOMANYREFS:
+                raise
+        time.sleep(delay)
+        delay = min(2 * delay, 0.02)
+
+
 def send_frame(sock, payload, fds=(), flags=0):
     """Send one frame: the header with the fds, then the payload (blocking)."""
     payload = memoryview(payload).cast("B")
     header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
     first, rest = fds[:MAX_FDS_PER_MSG], fds[MAX_FDS_PER_MSG:]
     small = len(payload) <= 65536 and not rest
-    sent = sock.sendmsg([header, payload] if small else [header], _rights(first) if first else [])
+    sent = _sendmsg(sock, [header, payload] if small else [header], first)
     total = len(header) + (len(payload) if small else 0)
     if sent < len(header):            # a stream socket may take a part; the fds went with it
         sock.sendall(header[sent:])
         sent = len(header)
     for i in range(0, len(rest), MAX_FDS_PER_MSG):
-        sock.sendmsg([b"+"], _rights(rest[i:i + MAX_FDS_PER_MSG]))
+        _sendmsg(sock, [b"+"], rest[i:i + MAX_FDS_PER_MSG])
     if small:
         if sent < total:
             sock.sendall(payload[sent - len(header):])

@@ -7,7 +7,8 @@ Adapted from CPython's multiprocessing/queues.py; changed:
 - in every process but the one that created the queue, ``put()`` returns only once the
   message is in the kernel, so a producer may exit (even by ``os._exit``) right after.
   In the creating process a feeder thread sends, as in multiprocessing, so that one
-  process can put many items before it gets any; its fds are dup'ed until they are sent.
+  process can put many items before it gets any; its fds are dup'ed until they are sent
+  (one dup per open file for all the messages waiting, not one per message).
 """
 import collections
 import os
@@ -28,6 +29,55 @@ from . import fdpass
 from .connection import Pipe, dumps, loads
 
 _SENTINEL = object()
+
+
+class _Held:
+    """The fds of the messages waiting for the feeder: one dup per open file, shared.
+
+    The messages of 1,000 arrays carved from one arena all carry the arena's fd; a dup per
+    message would hold 1,000 fds until the feeder has sent them (EMFILE under the usual
+    ``ulimit -n`` of 1024). Files are told apart by (st_dev, st_ino), which a dup shares.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held = {}           # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
+
+    def take(self, fds):
+        """Entries that keep ``fds`` open until released; their fds are ``entry[0]``."""
+        if not fds:
+            return []
+        taken = []
+        with self._lock:
+            try:
+                for fd in fds:
+                    st = os.fstat(fd)
+                    key = (st.st_dev, st.st_ino)
+                    entry = self._held.get(key)
+                    if entry is None:
+                        entry = self._held[key] = [os.dup(fd), 0, key]
+                    entry[1] += 1
+                    taken.append(entry)
+            except BaseException:
+                self._drop(taken)
+                raise
+        return taken
+
+    def release(self, taken):
+        with self._lock:
+            self._drop(taken)
+
+    def _drop(self, taken):
+        for entry in taken:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[entry[2]]
+                os.close(entry[0])
+
+    def close_all(self):
+        """(after fork, in the child: no other thread) close every dup inherited."""
+        fdpass.close_all([entry[0] for entry in self._held.values()])
+        self._held.clear()
 
 
 class SimpleQueue:
@@ -91,11 +141,15 @@ class Queue:
 
     def _after_fork(self):
         debug("Queue._after_fork()")
+        held = getattr(self, "_held", None)
         self._reset()
+        if held is not None:               # the parent's unsent messages are not ours to send
+            held.close_all()
 
     def _reset(self):
         self._notempty = threading.Condition(threading.Lock())
         self._buffer = collections.deque()
+        self._held = _Held()
         self._thread = None
         self._jointhread = None
         self._joincancelled = False
@@ -124,11 +178,11 @@ class Queue:
             with self._wlock:
                 fdpass.send_frame(self._writer._check(write=True), payload, fds)
             return
-        owned = [os.dup(fd) for fd in fds]      # the arrays may die before the feeder sends
+        held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
-            self._buffer.append((payload, owned))
+            self._buffer.append((payload, held))
             self._notempty.notify()
 
     def put_nowait(self, obj):
@@ -175,8 +229,9 @@ class Queue:
         close = self._close
         if close:
             self._close = None
-            close()
-        self._reader.close()
+            close()                # the feeder closes both ends once it has sent what it holds
+        elif self._thread is None:
+            self._reader.close()
 
     def join_thread(self):
         debug("Queue.join_thread()")
@@ -195,8 +250,8 @@ class Queue:
     def _start_thread(self):
         self._thread = threading.Thread(
             target=Queue._feed, name="QueueFeederThread", daemon=True,
-            args=(self._buffer, self._notempty, self._writer, self._wlock,
-                  self._ignore_epipe, self._sem))
+            args=(self._buffer, self._notempty, self._reader, self._writer, self._wlock,
+                  self._ignore_epipe, self._sem, self._held))
         self._thread.start()
         if not self._joincancelled:
             self._jointhread = Finalize(self._thread, Queue._finalize_join,
@@ -217,19 +272,23 @@ class Queue:
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer, notempty, writer, wlock, ignore_epipe, sem):
+    def _feed(buffer, notempty, reader, writer, wlock, ignore_epipe, sem, held):
         while True:
             with notempty:
                 while not buffer:
                     notempty.wait()
                 item = buffer.popleft()
             if item is _SENTINEL:
+                # Closed only now, as multiprocessing does: closed earlier, the reader would
+                # turn the sends above into EPIPE when no other process holds it.
+                reader.close()
                 writer.close()
                 return
-            payload, fds = item
+            payload, taken = item
             try:
                 with wlock:
-                    fdpass.send_frame(writer._check(write=True), payload, fds)
+                    fdpass.send_frame(writer._check(write=True), payload,
+                                      [entry[0] for entry in taken])
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return
@@ -237,7 +296,7 @@ class Queue:
                 import traceback
                 traceback.print_exc()
             finally:
-                fdpass.close_all(fds)
+                held.release(taken)
 
 
 class JoinableQueue(Queue):

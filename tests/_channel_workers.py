@@ -1,0 +1,212 @@
+"""Functions that run in child processes of the channel tests.
+
+They live here, not in the test modules, so that a spawned child imports only numpy
+and sharedmp (not pytest and the test modules). Every blocking call has a timeout, so
+that a child never outlives a failed test for long; the parent kills it anyway.
+"""
+import hashlib
+import os
+import sys
+import traceback
+
+import numpy as np
+
+import sharedmp as mp
+
+TIMEOUT = 60
+
+
+def _report(out, fn, *args):
+    """Run fn; put ("ok", result) or ("error", traceback) on ``out`` (a queue or connection)."""
+    send = out.send if hasattr(out, "send") else out.put
+    try:
+        result = fn(*args)
+    except BaseException:
+        send(("error", traceback.format_exc()))
+        raise
+    send(("ok", result))
+
+
+def digest(b):
+    return hashlib.sha256(b).hexdigest()
+
+
+def pattern(n):
+    """n bytes that are not all the same (so that a shifted copy would not compare equal)."""
+    return (bytes(range(251)) * (n // 251 + 1))[:n]
+
+
+# -- producers that exit the moment their last put() returns ----------------------------
+
+def produce_then_exit(q, n):
+    """put n arrays (mp.zeros filled with i), then os._exit(0) at once: no flush, no atexit."""
+    for i in range(n):
+        a = mp.zeros(8)
+        a[...] = i
+        q.put((i, a))
+    os._exit(0)
+
+
+def send_then_exit(conn, n):
+    """The same through a Connection."""
+    for i in range(n):
+        a = mp.zeros(8)
+        a[...] = i
+        conn.send((i, a))
+    os._exit(0)
+
+
+# -- many producers, many consumers ----------------------------------------------------
+
+def produce_tagged(q, producer, n):
+    for seq in range(n):
+        q.put((producer, seq, mp.full(4, producer * 100_000 + seq, dtype=np.int64)))
+
+
+def consume_tagged(q, out):
+    """Get items until None; put ("ok", [(producer, seq, array_ok), ...]) on ``out``."""
+    def run():
+        got = []
+        while True:
+            item = q.get(timeout=TIMEOUT)
+            if item is None:
+                return got
+            producer, seq, a = item
+            ok = mp.is_shared(a) and bool((a == producer * 100_000 + seq).all())
+            got.append((producer, seq, ok))
+    _report(out, run)
+
+
+# -- JoinableQueue -----------------------------------------------------------------------
+
+def joinable_worker(q, results):
+    """Double each item, put it on ``results``, task_done(); stop (and task_done) at None."""
+    while True:
+        item = q.get(timeout=TIMEOUT)
+        try:
+            if item is None:
+                return
+            results.put(item * 2)
+        finally:
+            q.task_done()
+
+
+# -- Pipe peers --------------------------------------------------------------------------
+
+def echo(conn):
+    """Send back every object received, until None."""
+    while True:
+        if not conn.poll(TIMEOUT):
+            raise TimeoutError("parent sent nothing")
+        obj = conn.recv()
+        if obj is None:
+            return
+        conn.send(obj)
+
+
+def echo_bytes(conn):
+    """Receive one bytes message and send it back."""
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError("parent sent nothing")
+    conn.send_bytes(conn.recv_bytes())
+
+
+def send_big(conn, n):
+    """Send n bytes with send_bytes and the same as a pickled object; wait for the ack."""
+    data = pattern(n)
+    conn.send_bytes(data)
+    conn.send(data)
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError("no ack")
+    conn.recv()
+
+
+def queue_roundtrip_big(qin, qout):
+    """Get one (big) object from qin, report its digest and send it back through qout."""
+    data = qin.get(timeout=TIMEOUT)
+    qout.put(digest(data))
+    qout.put(data)                     # synchronous here: returns once all is in the kernel
+
+
+def close_and_exit(conn):
+    conn.close()
+
+
+def use_received_connection(q, value):
+    """Get a Connection from q and send (pid, array) through it."""
+    conn = q.get(timeout=TIMEOUT)
+    conn.send((os.getpid(), mp.full(3, value)))
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError("no ack")
+    conn.recv()
+    conn.close()
+
+
+def use_channels(q, sq, jq, conn, reader):
+    """Channels passed as Process arguments (or inherited under fork) work here."""
+    q.put(("queue", mp.full(2, 1.0)))
+    sq.put(("simple", mp.full(2, 2.0)))
+    jq.put(("joinable", mp.full(2, 3.0)))
+    conn.send(("pipe", mp.full(2, 4.0)))
+    if not reader.poll(TIMEOUT):
+        raise TimeoutError("nothing on the read-only end")
+    a = reader.recv()
+    a += 1                             # the parent sees it: same memory
+    conn.send(("done", type(q).__module__, type(conn).__module__))
+
+
+def strategy_child(q, done):
+    """Report the sharing strategy and send an array allocated here; stay alive until told."""
+    a = mp.full(5, 3.0)
+    b = mp.full((256, 1024), 2.0)      # 2 MiB: a segment of its own
+    from sharedmp.arrays import mapping_of
+    q.put((mp.get_sharing_strategy(), mapping_of(a)[1].kind, a, b))
+    done.wait(TIMEOUT)
+
+
+# -- pool workers --------------------------------------------------------------------------
+
+_init_value = None
+
+
+def init_worker(value):
+    global _init_value
+    _init_value = value
+
+
+def get_init(_):
+    return _init_value, os.getpid()
+
+
+def double(a):
+    return a * 2                       # a plain array: copied into shared memory on the way back
+
+
+def add(a, b):
+    return a + b
+
+
+def make_full_shared(i):
+    a = mp.full(3, i)
+    return mp.is_shared(a), a
+
+
+def write_into(a, i):
+    a[i] = i + 1
+    return os.getpid()
+
+
+def pid_of(i):
+    return os.getpid(), i
+
+
+def pid_and_full(i):
+    return os.getpid(), mp.full(3, i)
+
+
+def is_shared(a):
+    return mp.is_shared(a)
+
+
+if __name__ == "__main__":
+    sys.exit("not a script")

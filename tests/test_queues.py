@@ -1,0 +1,563 @@
+"""sharedmp Queue, JoinableQueue and SimpleQueue: multiprocessing's semantics, fds in band.
+
+In one process (the creator) a feeder thread sends; in every other process put() is
+synchronous, so a producer may os._exit right after its last put(). Every wait here is
+bounded: get() with a timeout, join_or_kill, join() in a thread that is joined with a
+timeout.
+"""
+import os
+import pickle
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sharedmp as mp
+from sharedmp.channels import queues
+
+import _channel_workers as cw
+from conftest import TIMEOUT, join_or_kill
+
+UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
+KINDS = ["Queue", "JoinableQueue", "SimpleQueue"]
+TIMED = ["Queue", "JoinableQueue"]           # the kinds with get(timeout), maxsize, qsize, ...
+
+
+def make(kind, method="fork", *args):
+    return getattr(mp.get_context(method), kind)(*args)
+
+
+def get(q, kind, timeout=TIMEOUT):
+    """A bounded get for every kind (SimpleQueue.get has no timeout: poll its reader first)."""
+    if kind == "SimpleQueue":
+        assert q._reader.poll(timeout), "nothing arrived in time"
+        return q.get()
+    return q.get(timeout=timeout)
+
+
+def wait_until(cond, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def start(ctx, target, *args):
+    p = ctx.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def finish(*procs):
+    for p in procs:
+        assert join_or_kill(p) == 0, f"child {p.pid} exited with {p.exitcode}"
+
+
+def close_queue(q):
+    q.close()
+    if hasattr(q, "join_thread"):
+        q.join_thread()
+
+
+def test_types():
+    assert type(mp.Queue()) is queues.Queue
+    assert type(mp.JoinableQueue()) is queues.JoinableQueue
+    assert type(mp.SimpleQueue()) is queues.SimpleQueue
+    assert isinstance(mp.JoinableQueue(), queues.Queue)
+
+
+# -- semantics in one process ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", TIMED)
+def test_get_on_empty_raises_empty(kind):
+    q = make(kind)
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.1)
+    assert time.monotonic() - t0 >= 0.09                # it did wait
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    with pytest.raises(queue.Empty):
+        q.get(block=False)
+    with pytest.raises(queue.Empty):
+        q.get(True, 0)
+    assert q.empty() and q.qsize() == 0 and not q.full()
+    q.put("x")
+    assert q.get(timeout=TIMEOUT) == "x"
+    close_queue(q)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_objects_and_arrays(kind):
+    q = make(kind)
+    a = mp.zeros(4)
+    plain = np.arange(6).reshape(2, 3)
+    q.put(("tuple", a, plain, None, {"d": [1.5]}))
+    tag, a2, p2, none, d = get(q, kind)
+    assert tag == "tuple" and none is None and d == {"d": [1.5]}
+    assert mp.is_shared(a2) and mp.is_shared(p2) and not mp.is_shared(plain)
+    assert p2.tolist() == plain.tolist()
+    a2[0] = 3                                            # same memory as the original
+    assert a[0] == 3
+    close_queue(q)
+
+
+def test_simplequeue_empty_and_close():
+    q = make("SimpleQueue")
+    assert q.empty()
+    q.put(1)
+    wait_until(lambda: not q.empty())
+    assert q.get() == 1 and q.empty()
+    q.close()
+    with pytest.raises(OSError):
+        q.put(2)
+
+
+@pytest.mark.parametrize("kind", TIMED)
+def test_maxsize_full(kind):
+    q = make(kind, "fork", 2)
+    assert q.empty() and not q.full() and q.qsize() == 0
+    q.put(1)
+    q.put_nowait(2)
+    assert q.full() and q.qsize() == 2
+    with pytest.raises(queue.Full):
+        q.put_nowait(3)
+    with pytest.raises(queue.Full):
+        q.put(3, block=False)
+    t0 = time.monotonic()
+    with pytest.raises(queue.Full):
+        q.put(3, timeout=0.1)
+    assert time.monotonic() - t0 >= 0.09
+    assert q.qsize() == 2
+    wait_until(lambda: not q.empty())
+    assert q.get(timeout=TIMEOUT) == 1
+    assert not q.full() and q.qsize() == 1
+    q.put(3, timeout=0.1)
+    assert [q.get(timeout=TIMEOUT) for _ in range(2)] == [2, 3]
+    assert q.qsize() == 0 and not q.full()
+    close_queue(q)
+
+
+def test_blocked_put_resumes_when_a_get_makes_room():
+    q = make("Queue", "fork", 1)
+    q.put("first")
+    t = threading.Timer(0.1, lambda: q.get(timeout=TIMEOUT))
+    t.start()
+    try:
+        q.put("second", timeout=TIMEOUT)                 # blocks until the timer's get
+    finally:
+        t.join(TIMEOUT)
+    assert q.get(timeout=TIMEOUT) == "second"
+    close_queue(q)
+
+
+def test_unbounded_qsize():
+    q = make("Queue")
+    for i in range(10):
+        q.put(i)
+    assert q.qsize() == 10 and not q.full()
+    wait_until(lambda: not q.empty())
+    for i in range(10):
+        assert q.get(timeout=TIMEOUT) == i
+    assert q.qsize() == 0
+    close_queue(q)
+
+
+@pytest.mark.parametrize("kind", TIMED)
+def test_close_then_put_raises_valueerror(kind):
+    q = make(kind)
+    q.put(mp.zeros(2))
+    assert q.get(timeout=TIMEOUT).tolist() == [0, 0]
+    q.put("unread")
+    q.close()
+    q.close()                                            # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        q.put(1)
+    with pytest.raises(ValueError, match="closed"):
+        q.put_nowait(1)
+    with pytest.raises(ValueError, match="closed"):
+        q.get(timeout=0.1)
+    q.join_thread()                                      # the feeder flushed and ended
+    assert q._thread is None or not q._thread.is_alive()
+
+
+def test_close_with_unread_items_is_quiet(capfd):
+    """Closing a queue whose items nobody will read: no traceback from the feeder (as stdlib)."""
+    q = make("Queue")
+    for i in range(5):
+        q.put(np.arange(3) + i)
+    q.close()
+    q.join_thread()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_close_without_put():
+    q = make("Queue")
+    q.close()
+    q.join_thread()                                      # no feeder: nothing to join
+
+
+def test_join_thread_needs_close():
+    q = make("Queue")
+    q.put(1)
+    with pytest.raises(AssertionError):                  # as multiprocessing
+        q.join_thread()
+    assert q.get(timeout=TIMEOUT) == 1
+    close_queue(q)
+
+
+@pytest.mark.parametrize("before_put", [True, False])
+def test_cancel_join_thread(before_put):
+    q = make("Queue")
+    if before_put:
+        q.cancel_join_thread()
+    q.put("x")
+    if not before_put:
+        q.cancel_join_thread()
+    assert q._joincancelled
+    assert q.get(timeout=TIMEOUT) == "x"
+    q.close()
+    q.join_thread()                                      # returns at once; nothing to wait for
+    if q._thread is not None:
+        q._thread.join(TIMEOUT)
+
+
+def test_joinable_task_done_and_join_in_one_process():
+    q = make("JoinableQueue")
+    for i in range(3):
+        q.put(i)
+    assert [q.get(timeout=TIMEOUT) for _ in range(3)] == [0, 1, 2]
+    joined = threading.Event()
+
+    def join():
+        q.join()
+        joined.set()
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    q.task_done()
+    q.task_done()
+    assert not joined.wait(0.2)                          # one task still open
+    q.task_done()
+    assert joined.wait(TIMEOUT)
+    t.join(TIMEOUT)
+    q.join()                                             # nothing open: returns at once
+    with pytest.raises(ValueError, match="too many times"):
+        q.task_done()
+    q.put("again")                                       # still usable
+    assert q.get(timeout=TIMEOUT) == "again"
+    q.task_done()
+    q.join()
+    close_queue(q)
+
+
+@pytest.mark.parametrize("kind", TIMED)
+def test_one_process_puts_5000_then_gets_them_all(kind):
+    """In the creator the feeder thread sends: put() never waits for a reader.
+
+    (SimpleQueue.put is synchronous by design, as multiprocessing's: see the smaller case.)
+    """
+    q = make(kind)
+    n = 5000
+    for i in range(n):
+        q.put((i, "x" * 100))                            # ~600 KB: beyond what one socket buffers
+    got = [q.get(timeout=TIMEOUT) for _ in range(n)]
+    assert [i for i, _ in got] == list(range(n))
+    if kind == "JoinableQueue":
+        for _ in range(n):
+            q.task_done()
+        q.join()
+    close_queue(q)
+
+
+def test_one_process_puts_1000_arrays_then_gets_them_all():
+    q = make("Queue")
+    arrays = []
+    for i in range(1000):
+        a = mp.zeros(4)
+        a[...] = i
+        q.put(a)
+        if i % 2:
+            arrays.append(a)                             # half stay alive, half die before sent
+    for i in range(1000):
+        a = q.get(timeout=TIMEOUT)
+        assert mp.is_shared(a) and (a == i).all()
+    close_queue(q)
+
+
+def test_simplequeue_small_burst_without_reader():
+    q = make("SimpleQueue")
+    for i in range(100):                                 # fits in the socket buffer
+        q.put(i)
+    assert [get(q, "SimpleQueue") for _ in range(100)] == list(range(100))
+    q.close()
+
+
+def test_value_is_frozen_at_put():
+    """put() pickles in the caller: a later change is not sent (the stdlib Queue would send it)."""
+    q = make("Queue")
+    obj = [1, 2]
+    q.put(obj)
+    obj.append(3)
+    assert q.get(timeout=TIMEOUT) == [1, 2]
+    close_queue(q)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unpicklable_raises_in_put_and_queue_keeps_working(kind):
+    q = make(kind, "fork", *([2] if kind != "SimpleQueue" else []))
+    for bad in (lambda: 1, threading.Lock(), [mp.zeros(3), threading.Lock()]):
+        with pytest.raises(UNPICKLABLE):
+            q.put(("bad", bad))
+        if kind != "SimpleQueue":
+            assert q.qsize() == 0 and not q.full()      # the slot was given back
+    q.put("a")
+    q.put(("b", mp.full(2, 7)))
+    if kind != "SimpleQueue":
+        assert q.qsize() == 2 and q.full()
+    assert get(q, kind) == "a"
+    tag, arr = get(q, kind)
+    assert tag == "b" and arr.tolist() == [7, 7]
+    if kind == "JoinableQueue":                          # only the two good puts count as tasks
+        q.task_done()
+        q.task_done()
+        with pytest.raises(ValueError):
+            q.task_done()
+    close_queue(q)
+
+
+def test_threads_put_and_get_on_one_queue():
+    q = make("Queue", "fork", 50)
+    producers, consumers, n = 4, 3, 300
+    results = [[] for _ in range(consumers)]
+    errors = []
+
+    def produce(t):
+        try:
+            for seq in range(n):
+                q.put((t, seq, mp.full(2, t * 1000 + seq)), timeout=TIMEOUT)
+        except BaseException as e:                      # pragma: no cover - reported below
+            errors.append(e)
+
+    def consume(c):
+        try:
+            while True:
+                item = q.get(timeout=TIMEOUT)
+                if item is None:
+                    return
+                results[c].append(item)
+        except BaseException as e:                      # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(c,), daemon=True) for c in range(consumers)]
+    threads += [threading.Thread(target=produce, args=(t,), daemon=True) for t in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads[consumers:]:
+        t.join(TIMEOUT)
+    for _ in range(consumers):
+        q.put(None, timeout=TIMEOUT)
+    for t in threads:
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+    assert not errors, errors
+    seen = [(t, s) for r in results for t, s, _ in r]
+    assert sorted(seen) == [(t, s) for t in range(producers) for s in range(n)]
+    for r in results:
+        for t, s, a in r:
+            assert (a == t * 1000 + s).all()
+        for t in range(producers):
+            seqs = [s for tt, s, _ in r if tt == t]
+            assert seqs == sorted(seqs)                  # per producer, order is kept
+    close_queue(q)
+
+
+# -- across processes --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,kind", [("spawn", "Queue"), ("fork", "Queue"),
+                                         ("fork", "SimpleQueue"), ("spawn", "JoinableQueue")])
+def test_producer_exits_right_after_last_put(method, kind):
+    ctx = mp.get_context(method)
+    q = getattr(ctx, kind)()
+    n = 1000
+    p = start(ctx, cw.produce_then_exit, q, n)
+    got = [get(q, kind) for _ in range(n)]
+    assert join_or_kill(p) == 0
+    assert [i for i, _ in got] == list(range(n))
+    for i, a in got:
+        assert mp.is_shared(a) and a.shape == (8,) and (a == i).all()
+    if kind == "JoinableQueue":
+        for _ in range(n):
+            q.task_done()
+        q.join()
+    close_queue(q)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_4_producers_4_consumers(method):
+    ctx = mp.get_context(method)
+    q, out = ctx.Queue(), ctx.Queue()
+    nprod, ncons, n = 4, 4, 150
+    consumers = [start(ctx, cw.consume_tagged, q, out) for _ in range(ncons)]
+    producers = [start(ctx, cw.produce_tagged, q, pid, n) for pid in range(nprod)]
+    try:
+        finish(*producers)
+        for _ in range(ncons):
+            q.put(None)
+        reports = [out.get(timeout=TIMEOUT) for _ in range(ncons)]
+        finish(*consumers)
+    finally:
+        for p in producers + consumers:
+            join_or_kill(p, 5)
+    for status, value in reports:
+        assert status == "ok", value
+    everything = [(pid, seq) for _, got in reports for pid, seq, _ in got]
+    assert len(everything) == len(set(everything)) == nprod * n          # nothing duplicated
+    assert set(everything) == {(p, s) for p in range(nprod) for s in range(n)}  # nothing lost
+    for _, got in reports:
+        assert all(ok for _, _, ok in got)                                 # values right, shared
+        for pid in range(nprod):
+            seqs = [s for p, s, _ in got if p == pid]
+            assert all(a < b for a, b in zip(seqs, seqs[1:]))              # per producer, in order
+    close_queue(q)
+    close_queue(out)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_joinable_join_returns_once_all_tasks_are_done_across_processes(method):
+    ctx = mp.get_context(method)
+    q, results = ctx.JoinableQueue(), ctx.Queue()
+    workers = [start(ctx, cw.joinable_worker, q, results) for _ in range(2)]
+    try:
+        n = 20
+        for i in range(n):
+            q.put(i)
+        for _ in workers:
+            q.put(None)
+        joiner = threading.Thread(target=q.join, daemon=True)
+        joiner.start()
+        joiner.join(TIMEOUT)
+        assert not joiner.is_alive(), "JoinableQueue.join() did not return"
+        # every task_done() came after its result was put (synchronously, in the child)
+        got = sorted(results.get(timeout=TIMEOUT) for _ in range(n))
+        assert got == [2 * i for i in range(n)]
+        finish(*workers)
+        with pytest.raises(ValueError):
+            q.task_done()
+    finally:
+        for p in workers:
+            join_or_kill(p, 5)
+    close_queue(q)
+    close_queue(results)
+
+
+def test_big_message_through_queues_both_ways():
+    ctx = mp.get_context("spawn")
+    qin, qout = ctx.Queue(), ctx.Queue()
+    p = start(ctx, cw.queue_roundtrip_big, qin, qout)
+    try:
+        data = cw.pattern(50 << 20)
+        qin.put(data)                                     # the feeder sends it; put returns at once
+        assert qout.get(timeout=TIMEOUT) == cw.digest(data)
+        back = qout.get(timeout=TIMEOUT)
+        assert back == data
+        finish(p)
+    finally:
+        join_or_kill(p, 5)
+    close_queue(qin)
+    close_queue(qout)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_connection_through_a_queue_is_usable_in_the_child(method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    mine, theirs = mp.Pipe()
+    p = start(ctx, cw.use_received_connection, q, 11)
+    try:
+        q.put(theirs)
+        theirs.close()                     # the in-band copy travels on its own (dup'ed for the feeder)
+        assert mine.poll(TIMEOUT)
+        pid, arr = mine.recv()
+        assert pid == p.pid and arr.tolist() == [11, 11, 11] and mp.is_shared(arr)
+        mine.send("ack")
+        finish(p)
+    finally:
+        mine.close()
+        join_or_kill(p, 5)
+    close_queue(q)
+
+
+_LOW_LIMIT_SCRIPT = r"""
+import os, resource, sys, time
+import sharedmp as mp
+
+def produce(q, n):
+    for i in range(n):
+        a = mp.zeros(4)
+        a[...] = i
+        q.put(a)
+    os._exit(0)
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+n = 1500
+ctx = mp.get_context("fork")
+q = ctx.Queue()                       # (1) the creator puts all, then gets all
+for i in range(n):
+    a = mp.zeros(4)
+    a[...] = i
+    q.put(a)
+ok1 = all((q.get(timeout=60) == i).all() for i in range(n))
+q2 = ctx.Queue()                      # (2) a child producer far ahead of its consumer
+p = ctx.Process(target=produce, args=(q2, n))
+p.start()
+time.sleep(0.3)
+ok2 = all((q2.get(timeout=60) == i).all() for i in range(n))
+p.join(60)
+print("RESULT", ok1, ok2, p.exitcode)
+"""
+
+
+def _without_fd_privileges():
+    """A command prefix that drops CAP_SYS_RESOURCE/CAP_SYS_ADMIN (root is exempt from the
+    kernel's limit on fds in flight), or [] where that is not needed or not possible."""
+    import shutil
+    import subprocess
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return []
+    prefix = ["setpriv", "--bounding-set=-sys_resource,-sys_admin",
+              "--inh-caps=-sys_resource,-sys_admin"]
+    try:
+        ok = subprocess.run(prefix + ["true"], timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return prefix if ok else []
+
+
+def test_many_arrays_in_flight_under_a_low_fd_limit():
+    """RLIMIT_NOFILE 256, 1,500 arrays of one arena ahead of the reader:
+    - the creator's buffered messages share one dup of the arena fd (not 1,500 dups: EMFILE);
+    - past RLIMIT_NOFILE fds in flight the kernel says ETOOMANYREFS (without CAP_SYS_RESOURCE):
+      the sender waits for the reader instead of failing (child) or dropping items (feeder).
+    """
+    import subprocess
+    import sys
+    proc = subprocess.run(_without_fd_privileges() + [sys.executable, "-c", _LOW_LIMIT_SCRIPT],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0 and "RESULT True True 0" in proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_queue_cannot_be_put_on_a_queue(kind):
+    """As multiprocessing: queues travel by inheritance or as Process arguments only."""
+    q, other = make(kind), make("Queue")
+    with pytest.raises(RuntimeError, match="inheritance"):
+        q.put(other)
+    q.put("fine")
+    assert get(q, kind) == "fine"
+    close_queue(q)
+    close_queue(other)
