@@ -1,6 +1,11 @@
-"""NumPy arrays in shared memory: allocation, ``share``, ``is_shared``, ``share_memory_``."""
+"""NumPy arrays in shared memory: allocation, ``share``, ``is_shared``, ``share_memory_``.
+
+torch objects are handed to ``sharedmp.reductions.torch`` (imported only once torch is:
+``_torch_of`` never imports it).
+"""
 import math
 import operator
+import sys
 
 import numpy as np
 
@@ -47,8 +52,24 @@ def full(shape, fill_value, dtype=None, order="C"):
     return a
 
 
+def _torch_of(obj):
+    """sharedmp's torch module if ``obj`` is a torch tensor, storage, module or optimizer."""
+    torch = sys.modules.get("torch")
+    if torch is None or isinstance(obj, np.ndarray):
+        return None
+    if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage,
+                        torch.nn.Module, torch.optim.Optimizer)):
+        from .reductions import torch as torch_reductions
+        return torch_reductions
+    return None
+
+
 def empty_like(a, dtype=None, shape=None):
-    """A shared array with the shape and dtype of ``a``."""
+    """A shared array with the shape and dtype of ``a`` (a torch tensor: a shared CPU tensor)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        from .reductions import torch as torch_reductions
+        return torch_reductions.empty_like(a, dtype, shape)
     a = np.asarray(a)
     return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
@@ -99,23 +120,35 @@ def copy_to_shared(a):
 
 
 def share(obj):
-    """``obj`` in shared memory: a NumPy array is copied once (or returned if already shared)."""
+    """``obj`` in shared memory: a NumPy array is copied once (or returned if already shared);
+    a torch tensor (storage, module, optimizer) moves in place, as ``share_memory_``, and is returned."""
     if isinstance(obj, np.ndarray):
         return obj if mapping_of(obj)[1] is not None else copy_to_shared(obj)
-    raise TypeError(f"mp.share() takes a NumPy array, not {type(obj).__name__}")
+    t = _torch_of(obj)
+    if t is not None:
+        return t.share_memory_(obj)
+    raise TypeError(f"mp.share() takes a NumPy array or a torch tensor, not {type(obj).__name__}")
 
 
 def share_memory_(obj):
-    """Move ``obj`` into shared memory in place (torch tensors, storages and modules)."""
+    """Move ``obj`` into shared memory in place: torch tensors, storages, modules (parameters,
+    their ``.grad``, buffers) and optimizers (parameters and state, initialised eagerly)."""
     if isinstance(obj, np.ndarray):
         raise TypeError("a NumPy array cannot move into shared memory in place (its buffer is fixed); "
                         "use `a = mp.share(a)`, which returns a shared copy")
-    raise TypeError(f"mp.share_memory_() takes a torch tensor, storage or module, not {type(obj).__name__}")
+    t = _torch_of(obj)
+    if t is not None:
+        return t.share_memory_(obj)
+    raise TypeError("mp.share_memory_() takes a torch tensor, storage, module or optimizer, "
+                    f"not {type(obj).__name__}")
 
 
 def is_shared(obj):
     """Whether ``obj``'s memory is shared (sharedmp's, or torch's for tensors)."""
     if isinstance(obj, np.ndarray):
         return mapping_of(obj)[1] is not None
+    t = _torch_of(obj)
+    if t is not None:
+        return t.is_shared(obj)
     method = getattr(obj, "is_shared", None)
     return bool(method()) if callable(method) else False

@@ -21,16 +21,11 @@ class _CarryStrategy:
     """
 
     def start(self):
-        self._sharedmp_strategy = os.environ.get(strategy.ENV)
+        self._sharedmp_strategy = strategy.get_sharing_strategy()
         super().start()
 
     def _bootstrap(self, *args, **kwargs):
-        name = getattr(self, "_sharedmp_strategy", None)
-        if name is None:
-            os.environ.pop(strategy.ENV, None)
-        else:
-            os.environ[strategy.ENV] = name
-        strategy.reload_from_environment()
+        strategy.set_sharing_strategy(self._sharedmp_strategy)
         return super()._bootstrap(*args, **kwargs)
 
 

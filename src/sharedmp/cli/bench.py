@@ -309,11 +309,20 @@ def _consumer_main(spec):
                 raise
     finally:
         done.set()
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        _reap(p, 30)
     return 0
+
+
+def _reap(p, timeout):
+    """Wait for ``p`` to exit, by polling: not ``join()``, whose sentinel pipe can stay open
+    after the exit (torch's file_system strategy starts torch_shm_manager from the
+    producer, and that daemon inherits it); kill it after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while p.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
 
 
 def _echo(conn):
@@ -353,6 +362,53 @@ def _bounds_main(spec):
             del a
         best.append(loops * nbytes / (perf_counter() - t0) / GB)
     alloc_fill = max(best[1:])
+    # The same without transparent huge pages (NumPy asks for them on big arrays; where
+    # the kernel grants them, a 64 MiB array costs 32 page faults instead of 16,384).
+    alloc_fill_4k = None
+    try:
+        try:
+            from numpy._core.multiarray import _get_madvise_hugepage, _set_madvise_hugepage
+        except ImportError:
+            from numpy.core.multiarray import _get_madvise_hugepage, _set_madvise_hugepage
+    except ImportError:
+        pass
+    else:
+        was = _get_madvise_hugepage()
+        _set_madvise_hugepage(False)
+        try:
+            best = []
+            for _ in range(rounds + 1):
+                t0 = perf_counter()
+                for i in range(loops):
+                    a = np.empty(n, np.float32)
+                    a.fill(i)
+                    del a
+                best.append(loops * nbytes / (perf_counter() - t0) / GB)
+            alloc_fill_4k = max(best[1:])
+        finally:
+            _set_madvise_hugepage(was)
+    shm_fill = None
+    if hasattr(os, "memfd_create"):
+        # The same for fresh shared memory: a memfd of 64 MiB, mapped and filled, then let
+        # go. NumPy's big arrays get transparent huge pages (it asks for them); shared
+        # memory gets them only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows.
+        import mmap
+        best = []
+        for _ in range(rounds + 1):
+            t0 = perf_counter()
+            for i in range(loops):
+                fd = os.memfd_create("sharedmp-bench", os.MFD_CLOEXEC)
+                try:
+                    os.ftruncate(fd, nbytes)
+                    mm = mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+                a = np.frombuffer(mm, np.float32)
+                a.fill(i)
+                del a
+                mm.close()
+            best.append(loops * nbytes / (perf_counter() - t0) / GB)
+        shm_fill = max(best[1:])
     ctx = multiprocessing.get_context("spawn")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_echo, args=(b,), daemon=True)
@@ -367,10 +423,9 @@ def _bounds_main(spec):
             best.append(trips / (perf_counter() - t0))
         a.send_bytes(b"")
     finally:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
+        _reap(p, 10)
     _emit({"workload": "bounds", "status": "ok", "memcpy_gbps": memcpy, "alloc_fill_gbps": alloc_fill,
+           "alloc_fill_4k_gbps": alloc_fill_4k, "shm_alloc_fill_gbps": shm_fill,
            "pipe_roundtrips_per_s": max(best[1:]), "loops": loops, "trips": trips,
            "foreign_modules": _foreign_modules("stdlib")})
     return 0
@@ -470,6 +525,31 @@ def _kill_group(proc):
         pass
 
 
+def _group_alive(pgid):
+    """Whether a live (not zombie) process of process group ``pgid`` remains."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in "ZX":
+            return True
+    return False
+
+
+def _wait_group(pgid, timeout):
+    """Let what the worker left running finish by itself (multiprocessing's resource
+    tracker unlinks the semaphores of a worker that has exited), for up to ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def run_worker(spec, timeout):
     """Run one worker; (list of its result dicts, status, stderr tail, seconds)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
@@ -484,6 +564,7 @@ def run_worker(spec, timeout):
         _kill_group(proc)
         out, err = proc.communicate()
     else:
+        _wait_group(proc.pid, 10)
         _kill_group(proc)              # whatever it started and left behind
         if proc.returncode != 0:
             status = "error"
@@ -577,6 +658,8 @@ def machine_info():
                     info["memory_gib"] = round(int(line.split()[1]) / (1 << 20), 1)
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             info["transparent_hugepages"] = f.read().strip()
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            info["shmem_hugepages"] = f.read().strip()
     except OSError:
         pass
     try:
@@ -606,6 +689,7 @@ def _ratio(a, b):
 def compute_ratios(report):
     out = {}
     bound = (report.get("bounds") or {}).get("alloc_fill_gbps")
+    shm_bound = (report.get("bounds") or {}).get("shm_alloc_fill_gbps")
     for w in report["workloads"]:
         res = report["results"][w["id"]]
         for metric in w["metrics"]:
@@ -615,6 +699,7 @@ def compute_ratios(report):
                  "vs_stdlib": _ratio(mine, _value(res.get("stdlib"), metric))}
             if w["id"] == "W3" and metric == "gbps":
                 r["vs_alloc_fill_bound"] = _ratio(mine, bound)
+                r["vs_shm_alloc_fill_bound"] = _ratio(mine, shm_bound)
             out[f"{w['id']}:{metric}"] = r
     return out
 
@@ -684,6 +769,15 @@ def format_table(report):
         lines.append(f"machine bounds: memcpy (np.copyto 64 MiB) {bounds['memcpy_gbps']:.2f} GB/s;  "
                      f"alloc+fill (np.empty 64 MiB + fill) {bounds['alloc_fill_gbps']:.2f} GB/s;  "
                      f"Pipe round trips {bounds['pipe_roundtrips_per_s']:,.0f}/s")
+        if bounds.get("shm_alloc_fill_gbps"):
+            w3 = report["ratios"].get("W3:gbps", {}).get("vs_shm_alloc_fill_bound")
+            no_thp = bounds.get("alloc_fill_4k_gbps")
+            lines.append("                " + (f"alloc+fill without huge pages {no_thp:.2f} GB/s;  " if no_thp else "")
+                         + f"fresh shared memory (memfd 64 MiB + fill) {bounds['shm_alloc_fill_gbps']:.2f} GB/s"
+                         + (f" (W3 sharedmp / this: {_fmt_ratio(w3)})" if w3 else ""))
+            lines.append(f"                huge pages: anonymous "
+                         f"{report['machine'].get('transparent_hugepages', '?')}; shmem "
+                         f"{report['machine'].get('shmem_hugepages', '?')}")
     else:
         lines.append(f"machine bounds: {bounds.get('status', 'n/a')}")
     return "\n".join(lines)
@@ -691,7 +785,7 @@ def format_table(report):
 
 def format_header(report):
     m, v = report["machine"], report["versions"]
-    mode = "quick" if report["quick"] else "full"
+    mode = "quick" if report["quick"] else ("full" if report["scale"] == 1 else "scaled")
     return (f"sharedmp bench ({mode}: scale {report['scale']:g}, best of {report['rounds']} timed "
             f"round{'s' if report['rounds'] != 1 else ''}, spawn, fresh processes per "
             f"{report['isolation']})\n"
@@ -706,7 +800,8 @@ def format_footer(report):
         if t["value"] is None:
             val, mark = "n/a", "?"
         else:
-            val = _fmt_ratio(t["value"]) if t["kind"] == "ratio" else _fmt_num(t["value"])
+            val = _fmt_ratio(t["value"]) if t["kind"] == "ratio" else \
+                (f"{t['value']:,}" if isinstance(t["value"], int) else _fmt_num(t["value"]))
             mark = "met" if t["met"] else "MISSED"
         lines.append(f"  {t['target']:<40} {val:>10}  {mark}")
     left = report.get("shm_left", [])
@@ -735,7 +830,7 @@ def plot(report, path):
     for w in report["workloads"]:
         metric = "gbps" if "gbps" in w["metrics"] else w["metrics"][0]
         panels.append((w, metric))
-    ncols = 3
+    ncols = min(3, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
     bounds = report.get("bounds") or {}
@@ -743,38 +838,52 @@ def plot(report, path):
         res = report["results"][w["id"]]
         names = [t for _, t in SYSTEMS]
         vals = [_value(res.get(s), metric) for s, _ in SYSTEMS]
-        good = [v for v in vals if v]
+        good = [v for v in vals if v]   # 0 fds: no bar, a label
         lo = min(good) if good else 1
         hi = max(good) if good else 10
         base = 10 ** (int(__import__("math").floor(__import__("math").log10(lo))) - 1) if lo > 0 else 0.1
         if metric == "fds":
             base = 0.5
         xs = range(len(names))
-        heights = [(v if v else base) - base for v in vals]
+        heights = [(v - base if v else 0) for v in vals]
         bars = ax.bar(xs, heights, bottom=base, color=[COLORS[s] for s, _ in SYSTEMS],
                       edgecolor="black", linewidth=0.5)
         ax.set_yscale("log")
         top = max(hi, base * 10) * 8
-        if w["id"] == "W3" and bounds.get("alloc_fill_gbps"):
-            b = bounds["alloc_fill_gbps"]
-            ax.axhline(b, color="black", linestyle="--", linewidth=1)
-            ax.text(len(names) - 0.5, b, f"alloc+fill bound {b:.2f}", ha="right", va="bottom", fontsize=8)
-            top = max(top, b * 8)
+        if w["id"] == "W3":
+            lines = []
+            for key, text, style in (("alloc_fill_gbps", "np.empty+fill (bound)", "--"),
+                                     ("alloc_fill_4k_gbps", "np.empty+fill, no huge pages", "-."),
+                                     ("shm_alloc_fill_gbps", "fresh shared memory+fill", ":")):
+                b = bounds.get(key)
+                if b:
+                    lines.append(ax.axhline(b, color="black", linestyle=style, linewidth=1,
+                                            label=f"{text}: {b:.2f}"))
+                    top = max(top, b * 60)
+            if lines:
+                ax.legend(handles=lines, loc="upper right", fontsize=7.5, framealpha=0.9)
         ax.set_ylim(base, top)
         for bar, v, (s, _) in zip(bars, vals, SYSTEMS):
             cell = _cell(res.get(s), metric)
-            if v:
+            x = bar.get_x() + bar.get_width() / 2
+            if v == 0:
+                ax.text(x, base * 1.15, "0", ha="center", va="bottom", fontsize=9)
+            elif v:
                 label = _fmt_num(v) if metric != "fds" else f"{int(v):,}"
-                ax.text(bar.get_x() + bar.get_width() / 2, v * 1.15, label, ha="center", va="bottom",
-                        fontsize=9, fontweight="bold" if s == "sharedmp" else "normal")
+                ax.text(x, v * 1.15, label, ha="center", va="bottom", fontsize=9,
+                        fontweight="bold" if s == "sharedmp" else "normal",
+                        bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
             else:
-                ax.text(bar.get_x() + bar.get_width() / 2, base * 1.3, cell, ha="center", va="bottom",
-                        fontsize=9, color="darkred", rotation=90)
+                ax.text(x, base * 1.3, cell, ha="center", va="bottom", fontsize=9, color="darkred",
+                        rotation=90)
         ax.set_xticks(list(xs))
         ax.set_xticklabels(names, fontsize=9)
         unit = METRIC_UNITS[metric]
         title = f"{w['id']}: {w['n']:,} x {w['title']}" if w["id"] != "W6" else \
             f"W6: fds held for {w['n']:,} live 1 KiB arrays"
+        sn = (res.get("stdlib") or {}).get("n")
+        if w.get("stdlib_fraction") and sn:
+            title += f"\n(stdlib: {sn:,} messages, by value)"
         ax.set_title(title, fontsize=9.5)
         ax.set_ylabel(unit + ("" if metric == "fds" else " (higher is better)"), fontsize=9)
         ax.grid(axis="y", which="major", alpha=0.3)
@@ -787,7 +896,7 @@ def plot(report, path):
         sub += (f"; memcpy {bounds['memcpy_gbps']:.1f} GB/s, alloc+fill {bounds['alloc_fill_gbps']:.1f} GB/s, "
                 f"Pipe {bounds['pipe_roundtrips_per_s']:,.0f} round trips/s")
     fig.suptitle("sharedmp vs torch.multiprocessing vs multiprocessing (log scale)\n" + sub, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -843,7 +952,9 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
     if isolation == "workload":
         batches = [(s, [w]) for w in plan for s in runnable]
     else:
-        batches = [(s, plan) for s in runnable]
+        # W6 first: it counts the fds a consumer gains, from processes that hold none yet
+        ordered = sorted(plan, key=lambda w: not w.get("keep"))
+        batches = [(s, ordered) for s in runnable]
     timed_out = False
     for system, ws in batches:
         sp = []
@@ -882,7 +993,10 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
     while (new := _shm_entries() - shm_before) and time.monotonic() < deadline:
         time.sleep(0.1)
     report["shm_removed"] = _clean_shm(new) if timed_out and new else []
-    report["shm_left"] = sorted(_shm_entries() - shm_before)
+    # Left behind: new files that no live process maps or holds open (others' files, e.g.
+    # of a test suite running meanwhile, are in use and not this run's to report).
+    new = {os.path.join("/dev/shm", n) for n in _shm_entries() - shm_before}
+    report["shm_left"] = sorted(os.path.basename(p) for p in new - _in_use(new))
     try:
         report["machine"]["loadavg_end"] = os.getloadavg()
     except OSError:
@@ -900,7 +1014,7 @@ def add_parser(subparsers):
         "Each system runs in fresh processes (spawn); the table shows messages/s, GB/s or fds, "
         "and sharedmp's ratio to torch (file_descriptor) and to the standard library.")
     p.add_argument("--quick", action="store_true",
-                   help="smaller counts, one timed round (under a minute)")
+                   help="a fifth of the counts, two timed rounds, one process pair per system (under a minute)")
     p.add_argument("--json", metavar="FILE", help="write every figure, the machine and the versions to FILE")
     p.add_argument("--plot", metavar="FILE", help="draw a bar chart to FILE (needs matplotlib)")
     p.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
@@ -923,7 +1037,7 @@ def run(args):
     if not scale > 0:
         print("error: --scale must be > 0", file=sys.stderr)
         return 2
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick or scale < 1 else 3)
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 1 if scale < 1 else 3)
     systems = set(args.systems.split(",")) if args.systems else None
     workloads = set(args.workloads.split(",")) if args.workloads else None
     report = bench(scale, max(1, rounds), args.quick, timeout=args.timeout, systems=systems,

@@ -20,6 +20,7 @@ a reader; a receiver checks the seals and the size before it builds a view.
 
 All platform branches of sharedmp's memory live in this module.
 """
+import bisect
 import collections
 import errno
 import fcntl
@@ -75,6 +76,11 @@ class Segment:
 _by_mapping = {}
 _by_key = {}
 _lock = threading.Lock()
+# Start address -> Segment, and the sorted start addresses: which mapping holds an address
+# (torch storages know only their data pointer). An address freed by munmap may be mapped
+# again before the old mapping's finalizer runs: an entry is removed only by its own segment.
+_by_address = {}
+_addresses = []
 
 # A receiver keeps the few small segments (arenas) it attached last mapped, even with no
 # view left: a stream of small arrays, each dropped after use, would otherwise map and
@@ -103,6 +109,9 @@ def _register(seg, mm):
     with _lock:
         _by_mapping[id(mm)] = seg
         _by_key[seg.key] = seg
+        if seg.address not in _by_address:
+            bisect.insort(_addresses, seg.address)
+        _by_address[seg.address] = seg
     weakref.finalize(mm, _release, seg, id(mm))
 
 
@@ -113,6 +122,11 @@ def _release(seg, mapping_id):
             del _by_mapping[mapping_id]
         if _by_key.get(seg.key) is seg:
             del _by_key[seg.key]
+        if _by_address.get(seg.address) is seg:
+            del _by_address[seg.address]
+            i = bisect.bisect_left(_addresses, seg.address)
+            if i < len(_addresses) and _addresses[i] == seg.address:
+                del _addresses[i]
     if seg.fd >= 0:
         fd, seg.fd = seg.fd, -1
         os.close(fd)
@@ -158,6 +172,21 @@ def segment_of(mm):
     """The Segment behind a mapping object, or None if it is not one of ours."""
     seg = _by_mapping.get(id(mm))
     return seg if seg is not None and seg.mapping() is mm else None
+
+
+def containing(address, nbytes=1):
+    """(Segment, mapping) of the live mapping of this process that holds the ``nbytes``
+    bytes at ``address``, or (None, None). For memory known only by its address (a torch
+    storage's data pointer); the offset within the segment is ``address - seg.address``."""
+    with _lock:
+        i = bisect.bisect_right(_addresses, address) - 1
+        if i < 0:
+            return None, None
+        seg = _by_address[_addresses[i]]
+    if address + nbytes > seg.address + seg.size:
+        return None, None
+    mm = seg.mapping()
+    return (seg, mm) if mm is not None else (None, None)
 
 
 def live_segments():

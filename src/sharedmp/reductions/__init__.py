@@ -3,9 +3,24 @@
 Reducers go into ``multiprocessing.reduction.ForkingPickler``, which sharedmp's
 channels use and so do the standard ones (Process arguments under spawn and
 forkserver, Manager connections): arrays travel through shared memory on both.
+
+torch: ``import sharedmp`` never imports torch, yet tensors must go through sharedmp
+once torch is there. torch registers its own reducers with ForkingPickler while it is
+imported (``torch.multiprocessing`` calls ``init_reductions()``), so sharedmp's torch
+reducers (``reductions/torch.py``) must be registered after that, whichever of the two
+is imported first:
+
+- torch already imported: register now;
+- otherwise: a finder at the front of ``sys.meta_path`` waits for ``import torch``,
+  finds torch's spec with the other finders, and wraps its loader so that the
+  registration runs right after torch's module has executed; then it steps aside
+  (torch gets its own loader back, the finder leaves ``sys.meta_path``).
 """
-import numpy as np
+import sys
+import warnings
 from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
 
 from ..memory.segment import Segment
 from .ndarray import reduce_ndarray
@@ -20,4 +35,79 @@ def register():
         return
     ForkingPickler.register(Segment, reduce_segment)
     ForkingPickler.register(np.ndarray, reduce_ndarray)
+    _register_torch_when_imported()
     _done = True
+
+
+def _register_torch():
+    try:
+        from . import torch as torch_reductions
+        torch_reductions.register()
+    except Exception as e:  # never break `import torch`; say why tensors are torch's
+        warnings.warn(f"sharedmp: torch support is off, its reducers failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _register_torch_when_imported():
+    torch = sys.modules.get("torch")
+    if torch is None:
+        sys.meta_path.insert(0, _AfterImport("torch"))
+    elif not getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        _register_torch()
+    else:
+        # sharedmp imported from within torch's own import (a plugin of torch's):
+        # torch.multiprocessing registers torch's reducers; wait for it if still to come.
+        tmp = sys.modules.get("torch.multiprocessing")
+        if tmp is not None and not getattr(getattr(tmp, "__spec__", None), "_initializing", False):
+            _register_torch()
+        elif tmp is None:
+            sys.meta_path.insert(0, _AfterImport("torch.multiprocessing"))
+
+
+class _AfterImport:
+    """A meta path finder that finds nothing itself: it wraps the loader of module ``name``."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        for finder in [f for f in sys.meta_path if f is not self]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None                   # not installed (yet): keep waiting
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        # Leave only now: removing ourselves while the import system iterates sys.meta_path
+        # is safe because we return a spec, which ends its iteration.
+        sys.meta_path.remove(self)
+        spec.loader = _RegisterAfter(spec.loader)
+        return spec
+
+
+class _RegisterAfter:
+    """The module's own loader, then sharedmp's torch registration."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __getattr__(self, name):          # get_source, get_resource_reader, ... are the loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self.loader
+            spec = getattr(module, "__spec__", None)
+            if spec is not None and spec.loader is self:
+                spec.loader = self.loader
+        _register_torch()
