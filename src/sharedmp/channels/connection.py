@@ -44,6 +44,11 @@ class _Pickler(pickle.Pickler):
             cls.dispatch_table, cls._source = table, source
 
 
+def reducers_changed():
+    """Call after replacing a ForkingPickler registration (the count alone would not tell)."""
+    _Pickler._source = None
+
+
 def dumps(obj):
     """(payload, fds) of ``obj``: the pickled bytes and the fds it references (borrowed)."""
     oob = fdpass.OutOfBand()

@@ -40,9 +40,13 @@ def register():
 
 
 def _register_torch():
+    # Importing reductions/torch.py registers its reducers (its last line). If that module
+    # is what imports torch (a spawned child unpickling its first tensor), this runs while
+    # it is half-imported: the import below then returns it as it is, and it registers
+    # itself once torch is in.
     try:
-        from . import torch as torch_reductions
-        torch_reductions.register()
+        import importlib
+        importlib.import_module(__name__ + ".torch")
     except Exception as e:  # never break `import torch`; say why tensors are torch's
         warnings.warn(f"sharedmp: torch support is off, its reducers failed to register: {e!r}",
                       RuntimeWarning, stacklevel=2)
