@@ -1037,7 +1037,7 @@ def run(args):
     if not scale > 0:
         print("error: --scale must be > 0", file=sys.stderr)
         return 2
-    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 1 if scale < 1 else 3)
+    rounds = args.rounds if args.rounds is not None else (2 if args.quick else 1 if scale < 1 else 5)
     systems = set(args.systems.split(",")) if args.systems else None
     workloads = set(args.workloads.split(",")) if args.workloads else None
     report = bench(scale, max(1, rounds), args.quick, timeout=args.timeout, systems=systems,
