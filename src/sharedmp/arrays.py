@@ -16,9 +16,9 @@ from .strategy import get_sharing_strategy
 def _shape(shape):
     if isinstance(shape, int):
         shape = (shape,)
-    else:
+    elif type(shape) is not tuple or not all(type(n) is int for n in shape):
         shape = (shape,) if np.ndim(shape) == 0 else tuple(shape)
-    shape = tuple(operator.index(n) for n in shape)
+        shape = tuple(operator.index(n) for n in shape)
     if any(n < 0 for n in shape):
         raise ValueError(f"negative dimensions are not allowed: {shape}")
     return shape
@@ -99,8 +99,12 @@ def _extent(shape, strides, itemsize):
     """(lowest, end) byte offsets touched by a view, relative to its data pointer."""
     if 0 in shape:
         return 0, 0
-    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    lo = hi = 0
+    for n, s in zip(shape, strides):      # a loop: this runs for every array received
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
     return lo, hi + itemsize
 
 

@@ -31,6 +31,7 @@ import secrets
 import stat
 import sys
 import threading
+import time
 import weakref
 
 from ..errors import OutOfSharedMemory, SegmentError
@@ -201,6 +202,17 @@ def _map(fd, size):
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+_avail_cache = (-1.0, None)      # (monotonic time, bytes): /proc/meminfo costs ~40 us to parse
+
+
+def _available_memory_cached(max_age=0.1):
+    global _avail_cache
+    now = time.monotonic()
+    if now - _avail_cache[0] > max_age:
+        _avail_cache = (now, _available_memory())
+    return _avail_cache[1]
+
+
 def _available_memory():
     """Bytes that can still be made resident: MemAvailable + SwapFree, capped by the cgroup."""
     avail = None
@@ -248,7 +260,9 @@ def create(size, kind):
     """A new segment of ``size`` bytes, mapped here; returns (segment, mapping)."""
     if size <= 0:
         raise ValueError(f"segment size must be > 0, not {size}")
-    avail = _available_memory()
+    # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
+    # instead of failing. A fresh reading for big requests, a recent one for small.
+    avail = _available_memory() if size >= 16 << 20 else _available_memory_cached()
     if avail is not None and size > avail:
         raise OutOfSharedMemory(
             f"cannot reserve {_fmt(size)} of shared memory: this machine has only "
