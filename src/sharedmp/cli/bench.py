@@ -4,10 +4,15 @@ One run measures, on this machine and at the same time, these systems:
 
 ``sharedmp``
     ``sharedmp.get_context("spawn").Queue()``; arrays made with ``sharedmp.empty``.
+``sharedmp torch``
+    The same queue with CPU tensors made with ``torch.empty`` (sharedmp moves them into its
+    shared memory in place on ``put``; W5's tensor is moved once by ``sharedmp.share_memory_``).
 ``torch file_descriptor`` / ``torch file_system``
     ``torch.multiprocessing.get_context("spawn").Queue()`` with that sharing strategy set
     in both processes; CPU tensors made with ``torch.empty`` (torch moves them into
     shared memory on ``put``). "n/a" when torch is not installed.
+``torch spawn``
+    W7 only: torch's DataLoader with ``torch.multiprocessing.get_context("spawn")``.
 ``stdlib``
     ``multiprocessing.get_context("spawn").Queue()``; plain NumPy arrays, pickled by value.
 
@@ -31,6 +36,14 @@ How it is measured (the same for every system):
 - Every subprocess has a timeout; on expiry its process group is killed and the table
   says "timeout".
 
+W7 (torch only) is a ``torch.utils.data.DataLoader`` (2 workers, batches of 64 samples, each
+a dict of three small tensors, collated by torch's default collate) iterated in the consumer,
+no producer: batches/s from the first batch to the last, so that the workers' start-up
+(reported apart: ``iter()`` to the first batch) is left out; a fresh loader per round. Its
+baseline "torch fd" is torch's default, what unchanged torch code gets
+(``multiprocessing_context=None``: fork on Linux, file_descriptor strategy); "torch spawn"
+isolates the start method.
+
 The machine's bounds are measured in the same run: memcpy (``np.copyto`` of 64 MiB),
 allocation + fill (a fresh ``np.empty`` of 64 MiB filled, in a loop) and round trips of
 a tiny message over ``multiprocessing.Pipe`` between two processes.
@@ -52,14 +65,21 @@ F32 = 4
 
 SYSTEMS = [                       # (key, column title)
     ("sharedmp", "sharedmp"),
+    ("sharedmp_torch", "sharedmp torch"),
     ("torch_fd", "torch fd"),
     ("torch_fs", "torch fs"),
+    ("torch_spawn", "torch spawn"),
     ("stdlib", "stdlib"),
 ]
-TORCH_STRATEGY = {"torch_fd": "file_descriptor", "torch_fs": "file_system"}
-COLORS = {"sharedmp": "#d62728", "torch_fd": "#1f77b4", "torch_fs": "#9ecae1", "stdlib": "#7f7f7f"}
-LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "torch_fd": "torch file_descriptor",
-              "torch_fs": "torch file_system", "stdlib": "stdlib (pickled by value)"}
+QUEUE_SYSTEMS = ["sharedmp", "sharedmp_torch", "torch_fd", "torch_fs", "stdlib"]   # W1-W6
+TORCH_STRATEGY = {"torch_fd": "file_descriptor", "torch_fs": "file_system", "torch_spawn": "file_descriptor"}
+TORCH_SYSTEMS = {"sharedmp_torch", *TORCH_STRATEGY}      # the systems that send torch tensors
+COLORS = {"sharedmp": "#d62728", "sharedmp_torch": "#ff9896", "torch_fd": "#1f77b4",
+          "torch_fs": "#9ecae1", "torch_spawn": "#17becf", "stdlib": "#7f7f7f"}
+LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "sharedmp_torch": "sharedmp, torch tensors",
+              "torch_fd": "torch file_descriptor (W7: torch's default DataLoader, fork)",
+              "torch_fs": "torch file_system", "torch_spawn": "torch DataLoader, spawn (W7 only)",
+              "stdlib": "stdlib (pickled by value)"}
 
 
 def state_dict_shapes():
@@ -110,17 +130,23 @@ WORKLOADS = [
          metrics=["msgs"], stdlib_fraction=0.1),
     dict(id="W6", n=5000, kind="fresh", shape=[256], keep=True,
          title="fds held while keeping the 1 KiB arrays alive", metrics=["fds"]),
+    dict(id="W7", n=300, kind="dataloader", batch=64, title="DataLoader batches of 64 dicts of 3 tensors",
+         metrics=["batches"], systems=["sharedmp_torch", "torch_fd", "torch_spawn"]),
 ]
-METRIC_UNITS = {"msgs": "msg/s", "gbps": "GB/s", "fds": "fds (lower is better)"}
+METRIC_UNITS = {"msgs": "msg/s", "gbps": "GB/s", "fds": "fds (lower is better)", "batches": "batch/s"}
 
-TARGETS = [   # (workload, metric, against, at least / at most, factor, text)
-    ("W1", "msgs", "torch_fd", ">=", 80, "W1 >= 80x torch fd"),
-    ("W1", "msgs", "stdlib", ">=", 1.0, "W1 >= 1.0x stdlib"),
-    ("W3", "gbps", "torch_fd", ">=", 2, "W3 >= 2x torch fd"),
-    ("W3", "gbps", "alloc_fill", ">=", 0.7, "W3 >= 0.7x alloc+fill bound"),
-    ("W4", "msgs", "torch_fd", ">=", 30, "W4 >= 30x torch fd"),
-    ("W5", "msgs", None, ">=", 10000, "W5 >= 10,000 msg/s"),
-    ("W6", "fds", None, "<=", 32, "W6 <= 32 fds for 5,000 live arrays"),
+TARGETS = [   # (workload, metric, system, against, at least / at most, factor, text)
+    ("W1", "msgs", "sharedmp", "torch_fd", ">=", 80, "W1 >= 80x torch fd"),
+    ("W1", "msgs", "sharedmp", "stdlib", ">=", 1.0, "W1 >= 1.0x stdlib"),
+    ("W3", "gbps", "sharedmp", "torch_fd", ">=", 2, "W3 >= 2x torch fd"),
+    ("W3", "gbps", "sharedmp", "alloc_fill", ">=", 0.7, "W3 >= 0.7x alloc+fill bound"),
+    ("W4", "msgs", "sharedmp", "torch_fd", ">=", 30, "W4 >= 30x torch fd"),
+    ("W5", "msgs", "sharedmp", None, ">=", 10000, "W5 >= 10,000 msg/s"),
+    ("W6", "fds", "sharedmp", None, "<=", 32, "W6 <= 32 fds for 5,000 live arrays"),
+] + [(w, m, "sharedmp_torch", "sharedmp", ">=", 0.8, f"{w} torch >= 0.8x sharedmp NumPy")
+     for w, m in (("W1", "msgs"), ("W2", "gbps"), ("W3", "gbps"), ("W4", "msgs"), ("W5", "msgs"))] + [
+    ("W6", "fds", "sharedmp_torch", "sharedmp", "<=", None, "W6 torch fds <= sharedmp NumPy fds"),
+    ("W7", "batches", "sharedmp_torch", "torch_fd", ">=", 5, "W7 >= 5x torch's default DataLoader"),
 ]
 
 
@@ -155,7 +181,10 @@ def _nfds():
 
 def _context(system):
     """The spawn context of ``system`` (importing only what it needs)."""
-    if system == "sharedmp":
+    if system in ("sharedmp", "sharedmp_torch"):
+        if system == "sharedmp_torch":
+            import torch
+            torch.set_num_threads(1)
         import sharedmp
         return sharedmp.get_context("spawn")
     if system in TORCH_STRATEGY:
@@ -172,7 +201,7 @@ def _maker(system, w):
     """A function i -> the i-th message of workload ``w`` for ``system``."""
     import numpy as np
     kind = w["kind"]
-    if system in TORCH_STRATEGY:
+    if system in TORCH_SYSTEMS:
         import torch
         dtypes = {"float32": torch.float32, "int64": torch.int64}
 
@@ -207,13 +236,16 @@ def _maker(system, w):
         a = fill(new(tuple(w["shape"])), 1)
         if system in TORCH_STRATEGY:
             a.share_memory_()        # once; every message then refers to the same storage
+        elif system == "sharedmp_torch":
+            import sharedmp
+            sharedmp.share_memory_(a)
         return lambda i: a
     raise ValueError(f"unknown workload kind {kind!r}")
 
 
 def _toucher(system):
     """A function that reads one element of each array of a message."""
-    if system in TORCH_STRATEGY:
+    if system in TORCH_SYSTEMS:
         def one(a):
             return a.numpy().item(0)
     else:
@@ -231,7 +263,8 @@ def _toucher(system):
 
 def _foreign_modules(system):
     """The modules that must not be loaded in this system's processes but are."""
-    banned = {"sharedmp": ["torch"], "stdlib": ["sharedmp", "torch"]}.get(system, ["sharedmp"])
+    banned = {"sharedmp": ["torch"], "sharedmp_torch": [],
+              "stdlib": ["sharedmp", "torch"]}.get(system, ["sharedmp"])
     return [m for m in banned if m in sys.modules]
 
 
@@ -251,12 +284,17 @@ def _producer(system, plan, queues, go, done, timeout):
     done.wait(timeout)
 
 
+def _timed(counts):
+    """The indices of the timed rounds: all but the warm-up round."""
+    return range(1, len(counts)) if len(counts) > 1 else range(len(counts))
+
+
 def _consume(w, q, go, touch, system):
     """Receive the rounds of one workload; its figures."""
     from time import perf_counter
     keep = bool(w.get("keep"))
     counts = w["counts"]
-    timed = range(1, len(counts)) if len(counts) > 1 else range(len(counts))
+    timed = _timed(counts)
     seconds, fds, foreign = [], [], set(_foreign_modules(system))
     for r, count in enumerate(counts):
         kept = []
@@ -292,25 +330,86 @@ def _consume(w, q, go, touch, system):
     return out
 
 
-def _consumer_main(spec):
-    system, plan, timeout = spec["system"], spec["plan"], spec["timeout"]
+class _Features:
+    """W7's map-style dataset: sample ``i`` is a dict of three small tensors. (Not derived from
+    ``torch.utils.data.Dataset``, which the DataLoader does not need: this module imports no torch.)"""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import torch
+        return {"x": torch.randn(32), "y": torch.tensor(i), "mask": torch.ones(16, dtype=torch.bool)}
+
+
+def _consume_loader(w, system, timeout):
+    """W7: iterate a fresh DataLoader per round, in this process; its figures."""
+    from time import perf_counter
+
+    import torch.utils.data as tud
     ctx = _context(system)
-    touch = _toucher(system)
-    queues = [ctx.Queue(w["maxsize"]) for w in plan]
-    go, done = ctx.Semaphore(0), ctx.Event()
-    p = ctx.Process(target=_producer, args=(system, plan, queues, go, done, timeout), daemon=True)
-    p.start()
-    try:
-        for w, q in zip(plan, queues):
-            try:
-                _emit(_consume(w, q, go, touch, system))
-            except Exception as e:     # report it and stop: the producer is out of step now
-                _emit({"workload": w["id"], "status": "error", "error": f"{type(e).__name__}: {e}"})
-                raise
-    finally:
-        done.set()
-        _reap(p, 30)
+    if system == "torch_fd":
+        ctx = None                     # torch's default: fork on Linux
+    touch, size = _toucher(system), w["batch"]
+    seconds, startup = [], []
+    for r, count in enumerate(w["counts"]):
+        loader = tud.DataLoader(_Features(count * size), batch_size=size, num_workers=2,
+                                multiprocessing_context=ctx, timeout=timeout)
+        t0 = perf_counter()
+        it = iter(loader)
+        first = next(it)
+        t1 = perf_counter()
+        got = [first["y"][0].item()]
+        for batch in it:
+            touch(batch)
+            got.append(batch["y"][0].item())
+        t2 = perf_counter()
+        if got != list(range(0, count * size, size)) or tuple(first["x"].shape) != (size, 32):
+            raise RuntimeError(f"W7: wrong batches: {got[:5]}..., x {tuple(first['x'].shape)}")
+        del it, loader, first, batch
+        if r in _timed(w["counts"]):
+            seconds.append(t2 - t1)
+            startup.append(t1 - t0)
+    n, best = w["counts"][-1], min(seconds)
+    out = {"workload": w["id"], "status": "ok", "n": n, "rounds_s": seconds, "seconds": best,
+           "batches": (n - 1) / best, "startup_s": startup}      # the first batch is not timed
+    if _foreign_modules(system):
+        out["status"] = "error"
+        out["error"] = f"{system} processes imported {_foreign_modules(system)}: the figures would be wrong"
+    return out
+
+
+def _consumer_main(spec):
+    system, timeout = spec["system"], spec["timeout"]
+    plan = [w for w in spec["plan"] if w["kind"] != "dataloader"]
+    loaders = [w for w in spec["plan"] if w["kind"] == "dataloader"]
+    if plan:
+        ctx = _context(system)
+        touch = _toucher(system)
+        queues = [ctx.Queue(w["maxsize"]) for w in plan]
+        go, done = ctx.Semaphore(0), ctx.Event()
+        p = ctx.Process(target=_producer, args=(system, plan, queues, go, done, timeout), daemon=True)
+        p.start()
+        try:
+            for w, q in zip(plan, queues):
+                _emit_or_raise(w, _consume, w, q, go, touch, system)
+        finally:
+            done.set()
+            _reap(p, 30)
+    for w in loaders:
+        _emit_or_raise(w, _consume_loader, w, system, timeout)
     return 0
+
+
+def _emit_or_raise(w, fn, *args):
+    try:
+        _emit(fn(*args))
+    except Exception as e:     # report it and stop: a producer is out of step now
+        _emit({"workload": w["id"], "status": "error", "error": f"{type(e).__name__}: {e}"})
+        raise
 
 
 def _reap(p, timeout):
@@ -484,13 +583,16 @@ def make_plan(scale, rounds):
     plan = []
     for base in WORKLOADS:
         w = dict(base)
+        w.setdefault("systems", QUEUE_SYSTEMS)
         if w["kind"] == "state_dict":
             w["shapes"] = [[list(s), d] for s, d in shapes]
             w["bytes"] = _nbytes(shapes)
             w["title"] = w["title"].format(size=_fmt_size(w["bytes"]))
+        elif w["kind"] == "dataloader":
+            w["bytes"] = w["batch"] * (32 * F32 + 8 + 16)          # one batch: x, y, mask
         else:
             w["bytes"] = _nbytes([(tuple(w["shape"]), "float32")])
-        w["n"] = _scaled(w["n"], scale, minimum=10 if w.get("keep") else 2)
+        w["n"] = _scaled(w["n"], scale, minimum=10 if w.get("keep") else 4 if w.get("batch") else 2)
         # bounded queues keep about 256 MiB in flight at most
         w["maxsize"] = max(4, min(10000, (256 * MiB) // w["bytes"]))
         plan.append(w)
@@ -916,7 +1018,7 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
         plan = [w for w in plan if w["id"] in workloads]
     have_torch = _torch_available()
     chosen = [s for s, _ in SYSTEMS if systems is None or s in systems]
-    runnable = [s for s in chosen if have_torch or s not in TORCH_STRATEGY]
+    runnable = [s for s in chosen if have_torch or s not in TORCH_SYSTEMS]
     if isolation is None:
         isolation = "system" if quick or scale < 1 else "workload"
     report = {"command": [sys.executable, "-m", "sharedmp"] + sys.argv[1:] if sys.argv else [],
@@ -950,11 +1052,12 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
 
     # the systems
     if isolation == "workload":
-        batches = [(s, [w]) for w in plan for s in runnable]
+        batches = [(s, [w]) for w in plan for s in runnable if s in w["systems"]]
     else:
         # W6 first: it counts the fds a consumer gains, from processes that hold none yet
         ordered = sorted(plan, key=lambda w: not w.get("keep"))
-        batches = [(s, ordered) for s in runnable]
+        batches = [(s, [w for w in ordered if s in w["systems"]]) for s in runnable]
+        batches = [(s, ws) for s, ws in batches if ws]
     timed_out = False
     for system, ws in batches:
         sp = []
@@ -963,7 +1066,7 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
             ww["counts"] = _counts(w, system, rounds)
             sp.append(ww)
         spec = {"system": system, "plan": sp, "timeout": worker_timeout(ws)}
-        _log(f"{system:<9} {' '.join(w['id'] for w in ws)} ...")
+        _log(f"{system:<14} {' '.join(w['id'] for w in ws)} ...")
         results, status, tail, secs = run_worker(spec, worker_timeout(ws))
         report["workers"].append({"system": system, "workloads": [w["id"] for w in ws],
                                   "status": status, "seconds": secs})
