@@ -47,9 +47,11 @@ def test_every_workload_and_system_measured(tiny_run):
     proc, report, _, _ = tiny_run
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     ids = [w["id"] for w in report["workloads"]]
-    assert ids == ["W1", "W2", "W3", "W4", "W5", "W6"]
-    systems = ["sharedmp", "stdlib"] + (["torch_fd", "torch_fs"] if HAVE_TORCH else [])
+    assert ids == ["W1", "W2", "W3", "W4", "W5", "W6", "W7"]
+    queue_systems = ["sharedmp", "stdlib"] + (["sharedmp_torch", "torch_fd", "torch_fs"] if HAVE_TORCH else [])
+    loader_systems = ["sharedmp_torch", "torch_fd", "torch_spawn"] if HAVE_TORCH else []
     for w in report["workloads"]:
+        systems = loader_systems if w["id"] == "W7" else queue_systems
         for system in systems:
             res = report["results"][w["id"]][system]
             assert res is not None and res["status"] == "ok", (w["id"], system, res)
@@ -60,9 +62,15 @@ def test_every_workload_and_system_measured(tiny_run):
                     assert isinstance(res["fds"], int) and res["fds"] >= 0, (w["id"], system, res)
                 else:
                     assert res[metric] > 0, (w["id"], system, metric, res)
-    if not HAVE_TORCH:
-        for w in report["workloads"]:
-            assert report["results"][w["id"]]["torch_fd"] is None
+    for w in report["workloads"]:             # the columns that do not run a workload: n/a
+        absent = {"W7": ["sharedmp", "torch_fs", "stdlib"]}.get(w["id"], ["torch_spawn"])
+        absent += [] if HAVE_TORCH else ["sharedmp_torch", "torch_fd", "torch_fs", "torch_spawn"]
+        for system in absent:
+            assert report["results"][w["id"]][system] is None, (w["id"], system)
+    if HAVE_TORCH:
+        w7 = report["results"]["W7"]
+        for system in loader_systems:
+            assert all(s > 0 for s in w7[system]["startup_s"]), w7[system]
 
 
 @linux_only
@@ -75,7 +83,15 @@ def test_bounds_ratios_and_metadata(tiny_run):
     assert b["foreign_modules"] == []          # the bounds worker imported neither sharedmp nor torch
     assert report["ratios"]["W1:msgs"]["vs_stdlib"] > 0
     assert report["ratios"]["W3:gbps"]["vs_alloc_fill_bound"] > 0
-    assert {t["workload"] for t in report["targets"]} == {"W1", "W3", "W4", "W5", "W6"}
+    assert {t["workload"] for t in report["targets"]} == {"W1", "W2", "W3", "W4", "W5", "W6", "W7"}
+    if HAVE_TORCH:
+        for key in ("W1:msgs", "W2:gbps", "W3:gbps", "W4:msgs", "W5:msgs"):
+            assert report["ratios"][key]["torch_vs_numpy"] > 0, key
+        assert report["ratios"]["W7:batches"]["vs_torch_fd"] > 0
+        assert report["ratios"]["W7:batches"]["vs_torch_spawn"] > 0
+        fds = [t for t in report["targets"] if t["kind"] == "compare"]
+        assert [t["workload"] for t in fds] == ["W6"] and len(fds[0]["value"]) == 2
+        assert all(t["met"] is not None for t in report["targets"])
     assert report["versions"]["sharedmp"] and report["versions"]["numpy"]
     assert report["machine"]["cpus"] >= 1
     assert report["command"][1:6] == ["-m", "sharedmp", "bench", "--scale", "0.02"]
@@ -86,9 +102,12 @@ def test_bounds_ratios_and_metadata(tiny_run):
 def test_table_on_stdout(tiny_run):
     proc, report, _, _ = tiny_run
     out = proc.stdout
-    for w in ("W1", "W2", "W3", "W4", "W5", "W6"):
+    for w in ("W1", "W2", "W3", "W4", "W5", "W6", "W7"):
         assert f"\n{w} " in out
-    for title in ("sharedmp", "torch fd", "torch fs", "stdlib", "smp/torch fd", "smp/stdlib", "smp/bound"):
+    for title in ("sharedmp", "sharedmp torch", "torch fd", "torch fs", "torch spawn", "stdlib",
+                  "smp/torch fd", "smp/stdlib", "smp/bound", "smp torch/numpy",
+                  "W1 torch >= 0.8x sharedmp NumPy", "W6 torch fds <= sharedmp NumPy fds",
+                  "W7 >= 5x torch's default DataLoader", "torch's default DataLoader"):
         assert title in out
     assert "machine bounds" in out
     assert "/dev/shm after the run: clean" in out
@@ -124,13 +143,16 @@ def test_stdlib_worker_never_imports_sharedmp():
 
 def test_plan_counts():
     plan = {w["id"]: w for w in bench.make_plan(1.0, 3)}
-    assert [plan[k]["n"] for k in ("W1", "W2", "W3", "W4", "W5", "W6")] == [5000, 1000, 40, 20, 200, 5000]
+    assert [plan[k]["n"] for k in ("W1", "W2", "W3", "W4", "W5", "W6", "W7")] == [5000, 1000, 40, 20, 200, 5000, 1000]
+    assert plan["W7"]["systems"] == ["sharedmp_torch", "torch_fd", "torch_spawn"]
+    assert "torch_spawn" not in plan["W1"]["systems"] and "sharedmp_torch" in plan["W1"]["systems"]
     assert len(bench.state_dict_shapes()) == 200
     assert 2 * bench.MiB < plan["W4"]["bytes"] < 16 * bench.MiB
     assert bench._counts(plan["W5"], "stdlib", 3)[1] == 20            # stdlib: a tenth, by value
     assert bench._counts(plan["W6"], "torch_fd", 3) == [5000]         # W6: no warm-up round
     quick = {w["id"]: w for w in bench.make_plan(0.2, 1)}
     assert quick["W1"]["n"] == 1000 and quick["W3"]["n"] == 8
+    assert bench.make_plan(0.001, 1)[-1]["n"] == bench.W7_WORKERS + 2    # W7: batches past start-up
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path):
@@ -150,3 +172,23 @@ def test_help_lists_options():
     for opt in ("--quick", "--json", "--plot"):
         assert opt in proc.stdout
     assert "--scale" not in proc.stdout          # hidden: for tests
+
+
+def test_torch_targets_from_figures():
+    """The torch targets: ratios of sharedmp torch to sharedmp NumPy, W6 compares fd counts, W7 is
+    sharedmp torch against torch's default DataLoader (the torch fd column)."""
+    ok = lambda **kw: dict(status="ok", **kw)  # noqa: E731
+    results = {w: {s: None for s, _ in bench.SYSTEMS} for w in ("W1", "W6", "W7")}
+    results["W1"].update(sharedmp=ok(msgs=100.0), sharedmp_torch=ok(msgs=70.0), torch_fd=ok(msgs=1.0))
+    results["W6"].update(sharedmp=ok(fds=2), sharedmp_torch=ok(fds=3))
+    results["W7"].update(sharedmp_torch=ok(batches=600.0), torch_fd=ok(batches=100.0))
+    report = {"results": results, "bounds": {}, "workloads": [
+        w for w in bench.make_plan(0.01, 1) if w["id"] in results]}
+    got = {t["target"]: (t["value"], t["met"]) for t in bench.check_targets(report)}
+    assert got["W1 torch >= 0.8x sharedmp NumPy"] == (0.7, False)
+    assert got["W6 torch fds <= sharedmp NumPy fds"] == ([3, 2], False)
+    assert got["W7 >= 5x torch's default DataLoader"] == (6.0, True)
+    assert "W2 torch >= 0.8x sharedmp NumPy" not in got            # W2 not in the report
+    ratios = bench.compute_ratios(report)
+    assert ratios["W1:msgs"]["torch_vs_numpy"] == 0.7 and ratios["W7:batches"]["vs_torch_fd"] == 6.0
+    assert "torch_vs_numpy" not in ratios["W6:fds"]

@@ -38,8 +38,9 @@ How it is measured (the same for every system):
 
 W7 (torch only) is a ``torch.utils.data.DataLoader`` (2 workers, batches of 64 samples, each
 a dict of three small tensors, collated by torch's default collate) iterated in the consumer,
-no producer: batches/s from the first batch to the last, so that the workers' start-up
-(reported apart: ``iter()`` to the first batch) is left out; a fresh loader per round. Its
+no producer: batches/s from the batch by which each worker has delivered one (the second)
+to the last, so that the workers' start-up (reported apart: ``iter()`` to that batch; with
+spawn the second worker starts ~0.1 s after the first) is left out; a fresh loader per round. Its
 baseline "torch fd" is torch's default, what unchanged torch code gets
 (``multiprocessing_context=None``: fork on Linux, file_descriptor strategy); "torch spawn"
 isolates the start method.
@@ -130,9 +131,10 @@ WORKLOADS = [
          metrics=["msgs"], stdlib_fraction=0.1),
     dict(id="W6", n=5000, kind="fresh", shape=[256], keep=True,
          title="fds held while keeping the 1 KiB arrays alive", metrics=["fds"]),
-    dict(id="W7", n=300, kind="dataloader", batch=64, title="DataLoader batches of 64 dicts of 3 tensors",
+    dict(id="W7", n=1000, kind="dataloader", batch=64, title="DataLoader batches of 64 dicts of 3 tensors",
          metrics=["batches"], systems=["sharedmp_torch", "torch_fd", "torch_spawn"]),
 ]
+W7_WORKERS = 2
 METRIC_UNITS = {"msgs": "msg/s", "gbps": "GB/s", "fds": "fds (lower is better)", "batches": "batch/s"}
 
 TARGETS = [   # (workload, metric, system, against, at least / at most, factor, text)
@@ -356,26 +358,24 @@ def _consume_loader(w, system, timeout):
     touch, size = _toucher(system), w["batch"]
     seconds, startup = [], []
     for r, count in enumerate(w["counts"]):
-        loader = tud.DataLoader(_Features(count * size), batch_size=size, num_workers=2,
+        loader = tud.DataLoader(_Features(count * size), batch_size=size, num_workers=W7_WORKERS,
                                 multiprocessing_context=ctx, timeout=timeout)
-        t0 = perf_counter()
-        it = iter(loader)
-        first = next(it)
-        t1 = perf_counter()
-        got = [first["y"][0].item()]
-        for batch in it:
+        got, t0 = [], perf_counter()
+        for batch in loader:
             touch(batch)
-            got.append(batch["y"][0].item())
-        t2 = perf_counter()
-        if got != list(range(0, count * size, size)) or tuple(first["x"].shape) != (size, 32):
-            raise RuntimeError(f"W7: wrong batches: {got[:5]}..., x {tuple(first['x'].shape)}")
-        del it, loader, first, batch
+            got.append((batch["y"][0].item(), tuple(batch["x"].shape)))
+            t2 = perf_counter()              # the last batch (not the end of the loop: the
+            if len(got) == W7_WORKERS:       # workers' shutdown); every worker has started
+                t1 = t2
+        if got != [(i, (size, 32)) for i in range(0, count * size, size)]:
+            raise RuntimeError(f"W7: wrong batches: {got[:3]}...")
+        del loader, batch
         if r in _timed(w["counts"]):
             seconds.append(t2 - t1)
             startup.append(t1 - t0)
     n, best = w["counts"][-1], min(seconds)
     out = {"workload": w["id"], "status": "ok", "n": n, "rounds_s": seconds, "seconds": best,
-           "batches": (n - 1) / best, "startup_s": startup}      # the first batch is not timed
+           "batches": (n - W7_WORKERS) / best, "startup_s": startup}  # the first batches: start-up
     if _foreign_modules(system):
         out["status"] = "error"
         out["error"] = f"{system} processes imported {_foreign_modules(system)}: the figures would be wrong"
@@ -592,7 +592,7 @@ def make_plan(scale, rounds):
             w["bytes"] = w["batch"] * (32 * F32 + 8 + 16)          # one batch: x, y, mask
         else:
             w["bytes"] = _nbytes([(tuple(w["shape"]), "float32")])
-        w["n"] = _scaled(w["n"], scale, minimum=10 if w.get("keep") else 4 if w.get("batch") else 2)
+        w["n"] = _scaled(w["n"], scale, minimum=10 if w.get("keep") else W7_WORKERS + 2 if w.get("batch") else 2)
         # bounded queues keep about 256 MiB in flight at most
         w["maxsize"] = max(4, min(10000, (256 * MiB) // w["bytes"]))
         plan.append(w)
@@ -788,6 +788,11 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def _mine(w):
+    """The sharedmp column of workload ``w`` that the ratios are of (W7 has torch only)."""
+    return "sharedmp" if "sharedmp" in w["systems"] else "sharedmp_torch"
+
+
 def compute_ratios(report):
     out = {}
     bound = (report.get("bounds") or {}).get("alloc_fill_gbps")
@@ -795,10 +800,12 @@ def compute_ratios(report):
     for w in report["workloads"]:
         res = report["results"][w["id"]]
         for metric in w["metrics"]:
-            mine = _value(res.get("sharedmp"), metric)
-            r = {"vs_torch_fd": _ratio(mine, _value(res.get("torch_fd"), metric)),
-                 "vs_torch_fs": _ratio(mine, _value(res.get("torch_fs"), metric)),
-                 "vs_stdlib": _ratio(mine, _value(res.get("stdlib"), metric))}
+            mine = _value(res.get(_mine(w)), metric)
+            r = {f"vs_{s}": _ratio(mine, _value(res.get(s), metric))
+                 for s in ("torch_fd", "torch_fs", "torch_spawn", "stdlib")}
+            if metric != "fds":        # W6: fewer is better; the target compares the counts
+                r["torch_vs_numpy"] = _ratio(_value(res.get("sharedmp_torch"), metric),
+                                             _value(res.get("sharedmp"), metric))
             if w["id"] == "W3" and metric == "gbps":
                 r["vs_alloc_fill_bound"] = _ratio(mine, bound)
                 r["vs_shm_alloc_fill_bound"] = _ratio(mine, shm_bound)
@@ -809,18 +816,25 @@ def compute_ratios(report):
 def check_targets(report):
     out = []
     bounds = report.get("bounds") or {}
-    for wid, metric, against, op, factor, text in TARGETS:
-        res = report["results"].get(wid, {})
-        mine = _value(res.get("sharedmp"), metric)
-        if against is None:
+    for wid, metric, system, against, op, factor, text in TARGETS:
+        if wid not in report["results"]:
+            continue
+        res = report["results"][wid]
+        mine = _value(res.get(system), metric)
+        kind = "absolute" if against is None else "compare" if factor is None else "ratio"
+        if kind == "compare":          # the two figures, side by side
+            theirs = _value(res.get(against), metric)
+            got = None if mine is None or theirs is None else [mine, theirs]
+            factor = theirs
+        elif against is None:
             got = mine
         elif against == "alloc_fill":
             got = _ratio(mine, bounds.get("alloc_fill_gbps"))
         else:
             got = _ratio(mine, _value(res.get(against), metric))
-        met = None if got is None else (got >= factor if op == ">=" else got <= factor)
-        out.append({"target": text, "workload": wid, "value": got, "met": met,
-                    "kind": "absolute" if against is None else "ratio"})
+        value = got[0] if kind == "compare" and got else got
+        met = None if got is None else (value >= factor if op == ">=" else value <= factor)
+        out.append({"target": text, "workload": wid, "value": got, "met": met, "kind": kind})
     return out
 
 
@@ -838,7 +852,8 @@ def _cell(res, metric):
 
 def format_table(report):
     systems = [s for s, _ in SYSTEMS]
-    head = ["workload", "unit"] + [t for _, t in SYSTEMS] + ["smp/torch fd", "smp/stdlib", "smp/bound"]
+    head = ["workload", "unit"] + [t for _, t in SYSTEMS] + ["smp/torch fd", "smp/stdlib", "smp/bound",
+                                                            "smp torch/numpy"]
     rows = []
     bounds = report.get("bounds") or {}
     for w in report["workloads"]:
@@ -857,7 +872,8 @@ def format_table(report):
             ratios = report["ratios"][f"{w['id']}:{metric}"]
             bound = _fmt_ratio(ratios.get("vs_alloc_fill_bound")) if "vs_alloc_fill_bound" in ratios else ""
             rows.append([label, METRIC_UNITS[metric]] + [_cell(res.get(s), metric) for s in systems]
-                        + [_fmt_ratio(ratios["vs_torch_fd"]), _fmt_ratio(ratios["vs_stdlib"]), bound])
+                        + [_fmt_ratio(ratios["vs_torch_fd"]), _fmt_ratio(ratios["vs_stdlib"]), bound,
+                           _fmt_ratio(ratios.get("torch_vs_numpy"))])
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     lines = []
     sep = "  "
@@ -866,6 +882,22 @@ def format_table(report):
     lines.append(fmt_row(head))
     lines.append(sep.join("-" * w for w in widths))
     lines.extend(fmt_row(r) for r in rows)
+    w7 = report["results"].get("W7")
+    if w7:
+        lines.append("")
+        lines.append("W7: batches/s in the main process, from the 2nd batch (one per worker: start-up "
+                     "excluded) to the last; DataLoader(num_workers=2,")
+        lines.append("    batch_size=64, default collate, timeout), a fresh one per round;")
+        lines.append("    smp/torch fd = sharedmp torch / torch fd, torch's default DataLoader "
+                     "(multiprocessing_context=None: fork on Linux,")
+        lines.append("    file_descriptor): what unchanged torch code gets, so the target's baseline; "
+                     "torch spawn isolates the start method"
+                     + (f" (sharedmp torch / torch spawn: {_fmt_ratio(report['ratios']['W7:batches']['vs_torch_spawn'])})"
+                        if "W7:batches" in report["ratios"] else ""))
+        ups = [f"{t} {min(w7[s]['startup_s']):.2f} s" for s, t in SYSTEMS
+               if (w7.get(s) or {}).get("status") == "ok"]
+        if ups:
+            lines.append("    start-up, iter() to the 2nd batch (best round): " + ", ".join(ups))
     if bounds.get("status") == "ok":
         lines.append("")
         lines.append(f"machine bounds: memcpy (np.copyto 64 MiB) {bounds['memcpy_gbps']:.2f} GB/s;  "
@@ -903,7 +935,8 @@ def format_footer(report):
             val, mark = "n/a", "?"
         else:
             val = _fmt_ratio(t["value"]) if t["kind"] == "ratio" else \
-                (f"{t['value']:,}" if isinstance(t["value"], int) else _fmt_num(t["value"]))
+                " vs ".join(f"{v:,}" if isinstance(v, int) else _fmt_num(v) for v in
+                            (t["value"] if t["kind"] == "compare" else [t["value"]]))
             mark = "met" if t["met"] else "MISSED"
         lines.append(f"  {t['target']:<40} {val:>10}  {mark}")
     left = report.get("shm_left", [])
@@ -932,14 +965,15 @@ def plot(report, path):
     for w in report["workloads"]:
         metric = "gbps" if "gbps" in w["metrics"] else w["metrics"][0]
         panels.append((w, metric))
-    ncols = min(3, len(panels))
+    ncols = min(4, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
     bounds = report.get("bounds") or {}
     for ax, (w, metric) in zip(axes.flat, panels):
         res = report["results"][w["id"]]
-        names = [t for _, t in SYSTEMS]
-        vals = [_value(res.get(s), metric) for s, _ in SYSTEMS]
+        shown = [(s, t) for s, t in SYSTEMS if s in w["systems"]]
+        names = [t for _, t in shown]
+        vals = [_value(res.get(s), metric) for s, _ in shown]
         good = [v for v in vals if v]   # 0 fds: no bar, a label
         lo = min(good) if good else 1
         hi = max(good) if good else 10
@@ -948,7 +982,7 @@ def plot(report, path):
             base = 0.5
         xs = range(len(names))
         heights = [(v - base if v else 0) for v in vals]
-        bars = ax.bar(xs, heights, bottom=base, color=[COLORS[s] for s, _ in SYSTEMS],
+        bars = ax.bar(xs, heights, bottom=base, color=[COLORS[s] for s, _ in shown],
                       edgecolor="black", linewidth=0.5)
         ax.set_yscale("log")
         top = max(hi, base * 10) * 8
@@ -965,7 +999,7 @@ def plot(report, path):
             if lines:
                 ax.legend(handles=lines, loc="upper right", fontsize=7.5, framealpha=0.9)
         ax.set_ylim(base, top)
-        for bar, v, (s, _) in zip(bars, vals, SYSTEMS):
+        for bar, v, (s, _) in zip(bars, vals, shown):
             cell = _cell(res.get(s), metric)
             x = bar.get_x() + bar.get_width() / 2
             if v == 0:
@@ -973,13 +1007,13 @@ def plot(report, path):
             elif v:
                 label = _fmt_num(v) if metric != "fds" else f"{int(v):,}"
                 ax.text(x, v * 1.15, label, ha="center", va="bottom", fontsize=9,
-                        fontweight="bold" if s == "sharedmp" else "normal",
+                        fontweight="bold" if s.startswith("sharedmp") else "normal",
                         bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
             else:
                 ax.text(x, base * 1.3, cell, ha="center", va="bottom", fontsize=9, color="darkred",
                         rotation=90)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels(names, fontsize=9)
+        ax.set_xticklabels(names, fontsize=8, rotation=15)
         unit = METRIC_UNITS[metric]
         title = f"{w['id']}: {w['n']:,} x {w['title']}" if w["id"] != "W6" else \
             f"W6: fds held for {w['n']:,} live 1 KiB arrays"
