@@ -8,7 +8,6 @@ SimpleQueue, Pipe, Pool and Process replaced, so it works wherever a
 import multiprocessing
 import multiprocessing.context as _std
 import multiprocessing.pool
-import os
 
 from .. import strategy
 
@@ -25,7 +24,9 @@ class _CarryStrategy:
         super().start()
 
     def _bootstrap(self, *args, **kwargs):
-        strategy.set_sharing_strategy(self._sharedmp_strategy)
+        name = getattr(self, "_sharedmp_strategy", None)   # None: start() was overridden
+        if name is not None:
+            strategy.set_sharing_strategy(name)
         return super()._bootstrap(*args, **kwargs)
 
 
