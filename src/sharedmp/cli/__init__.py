@@ -22,6 +22,15 @@ COMMANDS = {
 }
 
 
+def dist_version(name):
+    """The installed version of distribution ``name`` without importing it, or None."""
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def _module_name(command):
     return f"{__name__}.{command}"
 

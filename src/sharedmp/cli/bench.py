@@ -731,14 +731,6 @@ def _torch_available():
     return importlib.util.find_spec("torch") is not None
 
 
-def _dist_version(name):
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def machine_info():
     import platform
     info = {"platform": platform.platform(), "machine": platform.machine(),
@@ -772,9 +764,10 @@ def machine_info():
 
 
 def versions():
+    from . import dist_version
     from .. import __version__
-    return {"sharedmp": __version__, "numpy": _dist_version("numpy"), "torch": _dist_version("torch"),
-            "matplotlib": _dist_version("matplotlib"), "python": sys.version.split()[0]}
+    return {"sharedmp": __version__, "numpy": dist_version("numpy"), "torch": dist_version("torch"),
+            "matplotlib": dist_version("matplotlib"), "python": sys.version.split()[0]}
 
 
 def _value(res, metric):

@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .. import __version__
+from . import dist_version
 from ..memory import segment
 from ..memory.segment import PREFIX, SHM_DIR_ENV
 from .. import strategy as _strategy
@@ -50,7 +51,7 @@ class Check:
 # ---------------------------------------------------------------------------- leftovers
 
 def _fmt_size(n):
-    return segment._fmt(n)
+    return segment.format_size(n)
 
 
 def _fmt_age(seconds):
@@ -223,14 +224,6 @@ def _version_tuple(v):
     return tuple(out)
 
 
-def _dist_version(name):
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def check_versions():
     import numpy as np
     checks = []
@@ -243,7 +236,7 @@ def check_versions():
     checks.append(Check("numpy", OK if np_ok else WARN, np.__version__,
                         None if np_ok else "sharedmp is tested with numpy >= 1.24: pip install -U numpy"))
     checks.append(Check("sharedmp", OK, f"{__version__} ({os.path.dirname(os.path.dirname(__file__))})"))
-    torch = _dist_version("torch")
+    torch = dist_version("torch")
     if torch is None:
         checks.append(Check("torch", OK, "not installed (optional: pip install 'sharedmp[torch]')"))
     elif _version_tuple(torch) < (2, 3):
@@ -251,7 +244,7 @@ def check_versions():
                             "pip install -U 'torch>=2.3'"))
     else:
         checks.append(Check("torch", OK, f"{torch} (installed; not imported by sharedmp until a tensor is met)"))
-    cuda = _dist_version("cuda-bindings") or _dist_version("cuda-python")
+    cuda = dist_version("cuda-bindings") or dist_version("cuda-python")
     checks.append(Check("cuda-bindings", OK, cuda or "not installed (optional: pip install 'sharedmp[cuda]')"))
     return checks
 
@@ -305,7 +298,7 @@ def check_fd_limit():
 
 
 def check_memory():
-    avail = getattr(segment, "_available_memory", lambda: None)()
+    avail = segment.available_memory()
     if avail is None:
         return Check("memory", OK, "available memory unknown on this platform")
     detail = f"{_fmt_size(avail)} can be reserved (MemAvailable + SwapFree, within the cgroup limit)"

@@ -42,7 +42,7 @@ SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if HAVE_ME
 SHM_DIR_ENV = "SHAREDMP_SHM_DIR"
 PREFIX = "sharedmp_"
 # 80 random bits, short enough for macOS's 31-character shm names.
-_NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
+NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -209,11 +209,11 @@ def _available_memory_cached(max_age=0.1):
     global _avail_cache
     now = time.monotonic()
     if now - _avail_cache[0] > max_age:
-        _avail_cache = (now, _available_memory())
+        _avail_cache = (now, available_memory())
     return _avail_cache[1]
 
 
-def _available_memory():
+def available_memory():
     """Bytes that can still be made resident: MemAvailable + SwapFree, capped by the cgroup."""
     avail = None
     try:
@@ -244,12 +244,12 @@ def _reserve(fd, size, what, hint):
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
             raise OutOfSharedMemory(
-                f"cannot reserve {_fmt(size)} of shared memory in {what}: {os.strerror(e.errno)}. "
+                f"cannot reserve {format_size(size)} of shared memory in {what}: {os.strerror(e.errno)}. "
                 f"{hint}") from None
         raise
 
 
-def _fmt(n):
+def format_size(n):
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -262,11 +262,11 @@ def create(size, kind):
         raise ValueError(f"segment size must be > 0, not {size}")
     # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
     # instead of failing. A fresh reading for big requests, a recent one for small.
-    avail = _available_memory() if size >= 16 << 20 else _available_memory_cached()
+    avail = available_memory() if size >= 16 << 20 else _available_memory_cached()
     if avail is not None and size > avail:
         raise OutOfSharedMemory(
-            f"cannot reserve {_fmt(size)} of shared memory: this machine has only "
-            f"{_fmt(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
+            f"cannot reserve {format_size(size)} of shared memory: this machine has only "
+            f"{format_size(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
             "Use smaller arrays, free memory, or allocate in chunks.")
     if kind == "file_descriptor":
         return _create_memfd(size)
@@ -360,7 +360,7 @@ def attach_fd(fd):
 
 def attach_name(name):
     """The mapping of the named segment ``name``, mapped once per process."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.match(name):
         raise SegmentError(f"{name!r} is not a sharedmp segment name")
     with _lock:
         seg = _by_key.get(name)
