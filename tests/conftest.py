@@ -111,6 +111,19 @@ def ctx(request):
     return multiprocessing.get_context(request.param)
 
 
+def eventually(predicate, timeout=5.0):
+    """Poll ``predicate`` (collecting garbage) until true or ``timeout`` s; its last value.
+
+    Named segments are unlinked by the manager daemon a few milliseconds after their last
+    holder lets go, not synchronously.
+    """
+    deadline = time.monotonic() + timeout
+    while not (ok := predicate()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    return ok
+
+
 def join_or_kill(proc, timeout=TIMEOUT):
     """Join ``proc``; kill it and fail if it is still running after ``timeout``."""
     proc.join(timeout)

@@ -48,7 +48,7 @@ def test_every_workload_and_system_measured(tiny_run):
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     ids = [w["id"] for w in report["workloads"]]
     assert ids == ["W1", "W2", "W3", "W4", "W5", "W6", "W7"]
-    queue_systems = ["sharedmp", "stdlib"] + (["sharedmp_torch", "torch_fd", "torch_fs"] if HAVE_TORCH else [])
+    queue_systems = ["sharedmp", "sharedmp_fs", "stdlib"] + (["sharedmp_torch", "torch_fd", "torch_fs"] if HAVE_TORCH else [])
     loader_systems = ["sharedmp_torch", "torch_fd", "torch_spawn"] if HAVE_TORCH else []
     for w in report["workloads"]:
         systems = loader_systems if w["id"] == "W7" else queue_systems
@@ -63,7 +63,7 @@ def test_every_workload_and_system_measured(tiny_run):
                 else:
                     assert res[metric] > 0, (w["id"], system, metric, res)
     for w in report["workloads"]:             # the columns that do not run a workload: n/a
-        absent = {"W7": ["sharedmp", "torch_fs", "stdlib"]}.get(w["id"], ["torch_spawn"])
+        absent = {"W7": ["sharedmp", "sharedmp_fs", "torch_fs", "stdlib"]}.get(w["id"], ["torch_spawn"])
         absent += [] if HAVE_TORCH else ["sharedmp_torch", "torch_fd", "torch_fs", "torch_spawn"]
         for system in absent:
             assert report["results"][w["id"]][system] is None, (w["id"], system)

@@ -10,7 +10,7 @@ from multiprocessing import *  # noqa: F401,F403  -- the standard surface, uncha
 from . import reductions as _reductions
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
 from .channels.context import JoinableQueue, Pipe, Pool, Queue, SimpleQueue, get_context
-from .errors import OutOfSharedMemory, ProtocolError, SegmentError
+from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 __all__ = list(_multiprocessing.__all__) + [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
     "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
-    "OutOfSharedMemory", "SegmentError", "ProtocolError",
+    "OutOfSharedMemory", "SegmentError", "ProtocolError", "ManagerError",
 ]
 
 _reductions.register()

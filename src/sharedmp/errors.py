@@ -11,3 +11,7 @@ class SegmentError(OSError):
 
 class ProtocolError(ConnectionError):
     """A frame on a sharedmp channel is malformed (hostile, truncated or corrupt)."""
+
+
+class ManagerError(RuntimeError):
+    """The file_system strategy's manager daemon is gone or refused this process."""

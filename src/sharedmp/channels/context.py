@@ -10,23 +10,34 @@ import multiprocessing.context as _std
 import multiprocessing.pool
 
 from .. import strategy
+from ..errors import ManagerError
+from ..memory import manager
 
 
 class _CarryStrategy:
-    """Process mixin: the child starts with the parent's sharing strategy.
+    """Process mixin: the child starts with the parent's sharing strategy and manager daemon.
 
-    The environment already carries it to spawn and fork children; a forkserver started
-    before ``set_sharing_strategy`` would not, so the Process object carries it too.
+    The environment already carries both to spawn and fork children; a forkserver started
+    before ``set_sharing_strategy`` would not, so the Process object carries them too.
+    Under file_system the parent connects to the daemon first: the segments its children
+    send it then outlive the children (a daemon with no client left would unlink them).
     """
 
     def start(self):
         self._sharedmp_strategy = strategy.get_sharing_strategy()
+        self._sharedmp_manager = None
+        if self._sharedmp_strategy == "file_system":
+            try:
+                self._sharedmp_manager = manager.address()
+            except ManagerError:
+                pass                  # the child says so if it ever needs the daemon
         super().start()
 
     def _bootstrap(self, *args, **kwargs):
         name = getattr(self, "_sharedmp_strategy", None)   # None: start() was overridden
         if name is not None:
             strategy.set_sharing_strategy(name)
+            manager.adopt(self._sharedmp_manager)
         return super()._bootstrap(*args, **kwargs)
 
 

@@ -4,6 +4,9 @@ One run measures, on this machine and at the same time, these systems:
 
 ``sharedmp``
     ``sharedmp.get_context("spawn").Queue()``; arrays made with ``sharedmp.empty``.
+``sharedmp fs``
+    The same, with the file_system strategy: arrays are named segments, tracked by the
+    manager daemon (a reference in flight per message).
 ``sharedmp torch``
     The same queue with CPU tensors made with ``torch.empty`` (sharedmp moves them into its
     shared memory in place on ``put``; W5's tensor is moved once by ``sharedmp.share_memory_``).
@@ -66,18 +69,20 @@ F32 = 4
 
 SYSTEMS = [                       # (key, column title)
     ("sharedmp", "sharedmp"),
+    ("sharedmp_fs", "sharedmp fs"),
     ("sharedmp_torch", "sharedmp torch"),
     ("torch_fd", "torch fd"),
     ("torch_fs", "torch fs"),
     ("torch_spawn", "torch spawn"),
     ("stdlib", "stdlib"),
 ]
-QUEUE_SYSTEMS = ["sharedmp", "sharedmp_torch", "torch_fd", "torch_fs", "stdlib"]   # W1-W6
+QUEUE_SYSTEMS = ["sharedmp", "sharedmp_fs", "sharedmp_torch", "torch_fd", "torch_fs", "stdlib"]   # W1-W6
 TORCH_STRATEGY = {"torch_fd": "file_descriptor", "torch_fs": "file_system", "torch_spawn": "file_descriptor"}
 TORCH_SYSTEMS = {"sharedmp_torch", *TORCH_STRATEGY}      # the systems that send torch tensors
-COLORS = {"sharedmp": "#d62728", "sharedmp_torch": "#ff9896", "torch_fd": "#1f77b4",
+COLORS = {"sharedmp": "#d62728", "sharedmp_fs": "#e377c2", "sharedmp_torch": "#ff9896", "torch_fd": "#1f77b4",
           "torch_fs": "#9ecae1", "torch_spawn": "#17becf", "stdlib": "#7f7f7f"}
-LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "sharedmp_torch": "sharedmp, torch tensors",
+LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "sharedmp_fs": "sharedmp file_system",
+              "sharedmp_torch": "sharedmp, torch tensors",
               "torch_fd": "torch file_descriptor (W7: torch's default DataLoader, fork)",
               "torch_fs": "torch file_system", "torch_spawn": "torch DataLoader, spawn (W7 only)",
               "stdlib": "stdlib (pickled by value)"}
@@ -140,6 +145,7 @@ METRIC_UNITS = {"msgs": "msg/s", "gbps": "GB/s", "fds": "fds (lower is better)",
 TARGETS = [   # (workload, metric, system, against, at least / at most, factor, text)
     ("W1", "msgs", "sharedmp", "torch_fd", ">=", 80, "W1 >= 80x torch fd"),
     ("W1", "msgs", "sharedmp", "stdlib", ">=", 1.0, "W1 >= 1.0x stdlib"),
+    ("W1", "msgs", "sharedmp_fs", "torch_fs", ">=", 50, "W1 file_system >= 50x torch fs"),
     ("W3", "gbps", "sharedmp", "torch_fd", ">=", 2, "W3 >= 2x torch fd"),
     ("W3", "gbps", "sharedmp", "alloc_fill", ">=", 0.7, "W3 >= 0.7x alloc+fill bound"),
     ("W4", "msgs", "sharedmp", "torch_fd", ">=", 30, "W4 >= 30x torch fd"),
@@ -183,11 +189,13 @@ def _nfds():
 
 def _context(system):
     """The spawn context of ``system`` (importing only what it needs)."""
-    if system in ("sharedmp", "sharedmp_torch"):
+    if system in ("sharedmp", "sharedmp_fs", "sharedmp_torch"):
         if system == "sharedmp_torch":
             import torch
             torch.set_num_threads(1)
         import sharedmp
+        if system == "sharedmp_fs":
+            sharedmp.set_sharing_strategy("file_system")
         return sharedmp.get_context("spawn")
     if system in TORCH_STRATEGY:
         import torch
@@ -214,7 +222,7 @@ def _maker(system, w):
             a.fill_(v)
             return a
     else:
-        if system == "sharedmp":
+        if system in ("sharedmp", "sharedmp_fs"):
             import sharedmp
             empty = sharedmp.empty
         else:
@@ -265,7 +273,7 @@ def _toucher(system):
 
 def _foreign_modules(system):
     """The modules that must not be loaded in this system's processes but are."""
-    banned = {"sharedmp": ["torch"], "sharedmp_torch": [],
+    banned = {"sharedmp": ["torch"], "sharedmp_fs": ["torch"], "sharedmp_torch": [],
               "stdlib": ["sharedmp", "torch"]}.get(system, ["sharedmp"])
     return [m for m in banned if m in sys.modules]
 

@@ -463,6 +463,23 @@ def check_leftovers(directory, do_clean):
     return checks, removed
 
 
+def check_managers(do_clean):
+    """file_system manager daemons of this user: live ones, and the sockets of killed ones."""
+    from ..memory import manager
+    daemons = manager.find_daemons()
+    stale = [p for p, alive in daemons if not alive]
+    live = len(daemons) - len(stale)
+    if stale and do_clean:
+        for p in stale:
+            manager.remove_stale(p)
+        return Check("managers", OK, f"{live} live; removed {len(stale)} stale socket(s) of killed daemons",
+                     items=[f"removed {os.path.dirname(p)}" for p in stale])
+    if stale:
+        return Check("managers", WARN, f"{live} live; {len(stale)} stale socket(s) of killed daemons",
+                     "python -m sharedmp doctor --clean", items=[os.path.dirname(p) for p in stale])
+    return Check("managers", OK, f"{live} live file_system manager daemon(s) of this user")
+
+
 def check_round_trip(strategy, fatal):
     """Allocate, write, pickle with ForkingPickler, unpickle here, compare: one strategy."""
     import pickle
@@ -522,6 +539,8 @@ def run_checks(do_clean=False):
         checks += leftover_checks
     else:
         removed = []
+    if "file_system" in strategies:
+        checks.append(check_managers(do_clean))
     for s in sorted(strategies):
         fatal = s == current or len(strategies) == 1
         if s == "file_system" and not shm_ok:

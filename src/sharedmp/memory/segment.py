@@ -9,9 +9,10 @@ A segment is created by one process and attached by others::
 
 The mapping is a ``mmap.mmap``; NumPy arrays view it (``ndarray(buffer=mm)``), so the
 mapping lives exactly as long as some view does. A ``weakref.finalize`` on the mapping
-then releases what the segment still owns: its fd, and for a named segment created
-here, the name (only the creating process unlinks; a process that merely attached
-never does -- the mistake of CPython 3.11's shared_memory, gh-82300).
+then releases what the segment still owns: its fd, and for a named segment, this
+process's hold on the name. Names are unlinked by the manager daemon (``manager.py``,
+``daemon.py``) once no process holds them and no message carries them, never by a
+process that merely attached (the mistake of CPython 3.11's shared_memory, gh-82300).
 
 Memory is reserved when the segment is made (``posix_fallocate``): running out raises
 ``OutOfSharedMemory`` here, instead of SIGBUS at the first touch of a page. memfd
@@ -35,6 +36,7 @@ import time
 import weakref
 
 from ..errors import OutOfSharedMemory, SegmentError
+from . import manager
 
 HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
@@ -131,42 +133,8 @@ def _release(seg, mapping_id):
     if seg.fd >= 0:
         fd, seg.fd = seg.fd, -1
         os.close(fd)
-    if seg.path is not None and seg.owner_pid == os.getpid():
-        _unlink(seg.path)
-
-
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _unlink_owned():
-    """At exit: unlink the named segments this process created and still maps.
-
-    ``weakref.finalize`` does this at a normal interpreter exit, but a child that
-    multiprocessing started with fork leaves through ``os._exit``: without this, the
-    arena it created would stay in the shared-memory directory for good.
-    """
-    pid = os.getpid()
-    with _lock:
-        mine = [s for s in _by_key.values() if s.path is not None and s.owner_pid == pid]
-    for seg in mine:
-        _unlink(seg.path)
-
-
-_exit_hook_pid = None
-
-
-def _ensure_exit_hook():
-    # Registered per process, lazily: a fork child's multiprocessing bootstrap clears
-    # the finalizers it inherited, and runs its own at exit (util._exit_function).
-    global _exit_hook_pid
-    if _exit_hook_pid != os.getpid():
-        from multiprocessing import util
-        util.Finalize(None, _unlink_owned, exitpriority=-100)   # after children are joined
-        _exit_hook_pid = os.getpid()
+    if seg.path is not None:
+        manager.dropped(seg.path)     # the daemon unlinks once no one holds it
 
 
 def segment_of(mm):
@@ -295,18 +263,24 @@ def _create_memfd(size):
 
 def _create_named(size):
     directory = shm_dir()
+    if not os.path.isdir(directory):
+        raise OutOfSharedMemory(
+            f"the shared-memory directory {directory!r} does not exist; "
+            f"point ${SHM_DIR_ENV} at a tmpfs directory or use the 'file_descriptor' strategy")
     while True:
         name = PREFIX + secrets.token_hex(10)
         path = os.path.join(directory, name)
+        # The daemon hears of the name before the file exists: if this process is killed
+        # at any point from here on, the daemon unlinks what it made.
+        manager.created(path)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW, 0o600)
             break
         except FileExistsError:
-            continue
-        except FileNotFoundError:
-            raise OutOfSharedMemory(
-                f"the shared-memory directory {directory!r} does not exist; "
-                f"point ${SHM_DIR_ENV} at a tmpfs directory or use the 'file_descriptor' strategy") from None
+            manager.forget(path)       # someone else's file: not ours to unlink
+        except BaseException:
+            manager.forget(path)       # nothing was made
+            raise
     try:
         try:
             _reserve(fd, size, directory,
@@ -317,10 +291,10 @@ def _create_named(size):
             os.close(fd)  # the mapping keeps the memory; the name is how others find it
     except BaseException:
         os.unlink(path)
+        manager.dropped(path)
         raise
     seg = Segment("file_system", name, size, -1, name, mm, owner=True, path=path)
     _register(seg, mm)
-    _ensure_exit_hook()
     return seg, mm
 
 
@@ -349,6 +323,10 @@ def attach_fd(fd):
     own = os.dup(fd)
     try:
         mm = _map(own, st.st_size)
+    except OSError as e:          # sealed against writing, opened read-only, ...: not one of ours
+        os.close(own)
+        raise SegmentError(f"received fd cannot be mapped for reading and writing ({e.strerror}): "
+                           "not a sharedmp segment, or one opened read-only or sealed against writes") from None
     except BaseException:
         os.close(own)
         raise
@@ -366,7 +344,9 @@ def attach_name(name):
         seg = _by_key.get(name)
         mm = seg.mapping() if seg is not None else None
     if mm is not None:
+        manager.received(seg.path)     # this message's reference in flight is consumed
         return mm
+    manager.ensure()
     path = os.path.join(shm_dir(), name)
     try:
         fd = os.open(path, os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW)
@@ -386,6 +366,7 @@ def attach_name(name):
         os.close(fd)
     seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False, path=path)
     _register(seg, mm)
+    manager.received(path)             # holds it now; the reference in flight is consumed
     _keep_recent(mm)
     return mm
 
@@ -393,6 +374,8 @@ def attach_name(name):
 def _after_fork_in_child():
     global _lock
     _lock = threading.Lock()
+    # The child maps what the parent mapped: it holds those names too, on its own connection.
+    manager.after_fork_in_child([s.path for s in _by_key.values() if s.path is not None])
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,4 +1,5 @@
-"""How a segment travels: its fd (in band on sharedmp channels, DupFd elsewhere) or its name.
+"""How a segment travels: its fd (in band on sharedmp channels, DupFd elsewhere) or its name
+(with a reference in flight at the manager daemon, see ``memory/daemon.py``).
 
 Pickling a ``Segment`` yields the receiver's mapping of it. Every array of a message that
 views one segment refers to the same Segment object, so pickle's memo sends it once.
@@ -8,11 +9,14 @@ import os
 from multiprocessing.reduction import DupFd
 
 from ..channels import fdpass
-from ..memory import segment
+from ..memory import manager, segment
 
 
 def reduce_segment(seg):
     if seg.kind == "file_system":
+        # One reference in flight, told to the daemon before the message can leave: the
+        # name stays valid after the sender drops it or exits, until a receiver attaches.
+        manager.sent(seg.path)
         return segment.attach_name, (seg.name,)
     oob = fdpass.current()
     if oob is not None:

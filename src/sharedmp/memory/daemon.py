@@ -1,0 +1,281 @@
+"""The file_system strategy's manager daemon: unlinks each named segment when its last user lets go.
+
+Run as a script by ``manager.py`` (``python -I -S daemon.py SOCKET_PATH LISTEN_FD``) in its own
+session, so that Ctrl-C or a killed process group does not take it down with its clients.
+It uses the standard library only, to start in milliseconds.
+
+Protocol. A client connects to the UNIX socket (in a private 0700 directory) and reads
+``OK <daemon pid>\\n`` -- or ``NO <reason>\\n`` and the end, if its uid is not the daemon's
+(``SO_PEERCRED``). That is the only wait. It answers ``HELLO <pid>\\n``, then writes records,
+never waiting for an answer, one line each, ``<op> <path>``:
+
+    C  created: this client holds the segment (sent before the file is made)
+    H  holds: a fork child maps what it inherited
+    S  sent: one more reference in flight (pickled for a channel)
+    R  received: this client holds it, and one in-flight reference is consumed
+    D  dropped: this client no longer maps it
+    F  forget: this client does not hold it after all (a name that was taken), never unlink
+    ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight>`` (diagnostics)
+
+A segment is unlinked when no client holds it and no reference is in flight. A client
+that disconnects (exit, SIGKILL) drops what it held. In-flight references belong to no
+client: a sender may exit as soon as its message is in the kernel.
+
+Ordering. Records of one client are applied in order. Records of different clients are
+not ordered by the kernel, and a receiver's ``R``/``D`` may be read before the sender's
+``C``/``S`` that preceded them in time: in-flight counts may go negative for a moment, and
+a segment whose count reaches zero is unlinked only if it is still zero after one more
+pass that reads every client (anything written before the zero was read is read by then).
+
+How it fails:
+- A client SIGKILLed mid-message: the message never completes, its ``S`` stays in
+  flight until the daemon exits (every client gone). A message never received likewise.
+- The daemon SIGKILLed: clients see the connection end and raise ``ManagerError`` on
+  their next file_system allocation or attach; the segments stay until
+  ``python -m sharedmp doctor --clean`` removes those no live process maps or holds open.
+  The daemon holds an fd of each segment with references in flight, so doctor never
+  removes one that a message still carries.
+- Every client gone: the daemon waits up to ``LINGER`` seconds for a new one if
+  references are still in flight, then unlinks whatever is left and exits.
+"""
+import os
+import re
+import resource
+import selectors
+import socket
+import struct
+import sys
+import time
+
+NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
+LINGER = 1.5           # seconds to wait for a receiver of in-flight messages once all clients left
+STARTUP = 2.0          # seconds to wait for the first client
+PASS_DELAY = 0.002     # sleep between passes: clients' records batch up instead of waking us each
+MAX_LINE = 4096
+
+
+class Segment:
+    __slots__ = ("holders", "inflight", "fd")
+
+    def __init__(self):
+        self.holders = set()
+        self.inflight = 0
+        self.fd = -1
+
+    def unused(self):
+        return not self.holders and self.inflight <= 0
+
+
+class Client:
+    __slots__ = ("sock", "pid", "buf", "holds", "hello")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.pid = None
+        self.buf = b""
+        self.holds = set()
+        self.hello = False
+
+
+class Daemon:
+    def __init__(self, listener, path):
+        self.listener = listener
+        self.path = path
+        self.uid = os.getuid()
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(listener, selectors.EVENT_READ)
+        self.clients = {}          # fd -> Client
+        self.segments = {}         # path -> Segment
+        self.candidates = set()    # paths found unused at the end of the previous pass
+        self.seen_client = False
+        self.started = time.monotonic()
+
+    # -- records ---------------------------------------------------------------------
+    def _segment(self, path, create):
+        seg = self.segments.get(path)
+        if seg is None and create:
+            seg = self.segments[path] = Segment()
+        return seg
+
+    def apply(self, client, op, path):
+        if not (os.path.isabs(path) and NAME_RE.match(os.path.basename(path))):
+            return                                   # not a sharedmp segment: never touch it
+        if op in (b"C", b"H"):
+            self._segment(path, True).holders.add(client)
+            client.holds.add(path)
+        elif op == b"S":
+            seg = self._segment(path, True)
+            seg.inflight += 1
+            if seg.fd < 0:             # doctor --clean sees the file in use while in flight
+                try:
+                    seg.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                except OSError:
+                    pass
+        elif op == b"R":
+            seg = self._segment(path, True)
+            seg.inflight -= 1
+            seg.holders.add(client)
+            client.holds.add(path)
+        elif op in (b"D", b"F"):
+            seg = self._segment(path, False)
+            client.holds.discard(path)
+            if seg is not None:
+                seg.holders.discard(client)
+                if op == b"F" and seg.unused():
+                    self._forget(path)
+
+    def _forget(self, path):
+        seg = self.segments.pop(path)
+        if seg.fd >= 0:
+            os.close(seg.fd)
+
+    def _unlink(self, path):
+        self._forget(path)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    # -- connections -----------------------------------------------------------------
+    def accept(self):
+        try:
+            sock, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        if peer_uid(sock) not in (None, self.uid):
+            try:
+                sock.sendall(b"NO this manager serves only the user that started it\n")
+            except OSError:
+                pass
+            sock.close()
+            return
+        try:
+            sock.sendall(b"OK %d\n" % os.getpid())
+        except OSError:
+            sock.close()
+            return
+        self.clients[sock.fileno()] = Client(sock)
+        self.sel.register(sock, selectors.EVENT_READ)
+        self.seen_client = True
+
+    def drop(self, client):
+        self.sel.unregister(client.sock)
+        del self.clients[client.sock.fileno()]
+        client.sock.close()
+        for path in client.holds:
+            seg = self.segments.get(path)
+            if seg is not None:
+                seg.holders.discard(client)
+        client.holds.clear()
+
+    def read(self, client):
+        """Read and apply what the client has written; False once it has gone."""
+        while True:
+            try:
+                data = client.sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            lines = (client.buf + data).split(b"\n")
+            client.buf = lines.pop()
+            if len(client.buf) > MAX_LINE:
+                return False                         # not our protocol: hang up
+            for line in lines:
+                if not client.hello:
+                    if not line.startswith(b"HELLO "):
+                        return False
+                    client.pid, client.hello = line[6:], True
+                    continue
+                op, _, path = line.partition(b" ")
+                if op == b"?":
+                    stats = (len(self.clients), len(self.segments),
+                             sum(max(s.inflight, 0) for s in self.segments.values()))
+                    try:
+                        client.sock.sendall(b"STATS %d %d %d\n" % stats)
+                    except OSError:
+                        return False
+                    continue
+                self.apply(client, op, os.fsdecode(path))
+
+    def one_pass(self):
+        """Read every client (ready or not), then unlink what stayed unused for two passes."""
+        for client in list(self.clients.values()):
+            if not self.read(client):
+                self.drop(client)
+        unused = {p for p, s in self.segments.items() if s.unused()}
+        for path in unused & self.candidates:
+            self._unlink(path)
+        self.candidates = unused - self.candidates
+
+    def run(self):
+        while True:
+            timeout = 0.005 if self.candidates else 0.5
+            for key, _ in self.sel.select(timeout):
+                if key.fileobj is self.listener:
+                    self.accept()
+            self.one_pass()
+            if not self.clients and not self._pending_connection():
+                if self.seen_client or time.monotonic() - self.started > STARTUP:
+                    if not self._linger():
+                        break
+            time.sleep(PASS_DELAY)
+        self.shutdown()
+
+    def _pending_connection(self):
+        return bool(self.sel.select(0))
+
+    def _linger(self):
+        """No client left: wait a moment for a receiver if messages are in flight. True: one came."""
+        if any(s.inflight > 0 for s in self.segments.values()):
+            deadline = time.monotonic() + LINGER
+            while time.monotonic() < deadline:
+                if self.sel.select(deadline - time.monotonic()):
+                    self.accept()
+                    if self.clients:
+                        return True
+        return False
+
+    def shutdown(self):
+        # The socket goes first: a client that finds no socket starts a fresh daemon, while
+        # one that finds the socket but no listener knows this daemon was killed.
+        for p in (self.path, os.path.dirname(self.path)):
+            try:
+                os.unlink(p) if p == self.path else os.rmdir(p)
+            except OSError:
+                pass
+        self.listener.close()
+        for path in list(self.segments):
+            self._unlink(path)
+
+
+def peer_uid(sock):
+    """The uid of the peer process (SO_PEERCRED), or None where the platform has no such call."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None                                  # macOS: the 0700 directory is the guard
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def main(argv):
+    path, fd = argv[1], int(argv[2])
+    listener = socket.socket(fileno=fd)
+    listener.setblocking(False)
+    # One fd per segment with references in flight: allow as many as the hard limit does.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+    try:
+        Daemon(listener, path).run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,308 @@
+"""The client side of the file_system manager daemon (``daemon.py`` states the protocol).
+
+Every process that makes, receives or sends a named segment keeps one connection to the
+daemon of its program and tells it, without waiting for an answer, what it holds:
+
+    created(path)    before the file is made         C
+    sent(path)       a message carries the name       S  (one reference in flight)
+    received(path)   a message's name was attached    R  (holds it; consumes one)
+    dropped(path)    the last view here died          D
+    forget(path)     the name was taken by another    F
+
+Records go out in order on one socket; a record posted from a finalizer (``dropped``)
+never blocks on the lock: a thread holding it sends what is queued before it leaves.
+
+Which daemon: the one named by ``$SHAREDMP_MANAGER`` (inherited from the process that
+started it, so children reuse their parent's), else a new one, started here in its own
+session, listening in a fresh 0700 directory. A daemon that exited cleanly (its socket is
+gone) is replaced by a fresh one; one that was killed (socket left, nobody listening) or
+that refuses this process is a ``ManagerError`` that says what to do.
+"""
+import collections
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+from ..errors import ManagerError
+
+ENV = "SHAREDMP_MANAGER"
+HELLO_TIMEOUT = 10.0
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "daemon.py")
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)   # EPIPE as an exception even if SIGPIPE is default
+
+_lock = threading.Lock()        # held while connecting and while sending
+_pending = collections.deque()  # encoded records not sent yet
+_sock = None                    # the connection, once made
+_dead = None                    # why this process can no longer use its daemon
+_daemon = None                  # (pid, socket path) of the daemon we talk to
+_popen = None                   # the daemon, if this process started it
+
+
+class _Gone(Exception):
+    """That daemon exited cleanly (its socket file is gone): start a fresh one."""
+
+
+def _hello(path):
+    """A connection to the daemon at ``path`` that has accepted this process."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(HELLO_TIMEOUT)
+        try:
+            s.connect(path)
+            reply = b""
+            while not reply.endswith(b"\n") and len(reply) < 4096:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            if reply.startswith(b"OK "):
+                s.sendall(b"HELLO %d\n" % os.getpid())
+        except (FileNotFoundError, ConnectionError) as e:
+            if not os.path.exists(path):
+                raise _Gone() from None
+            raise ManagerError(
+                f"the sharedmp manager daemon at {path} is gone ({e.strerror or e}): it was killed, "
+                "so named segments can no longer be tracked. Restart the program (its children "
+                "inherit the dead daemon through $SHAREDMP_MANAGER), run `python -m sharedmp doctor "
+                "--clean` to remove the segments it left, or use the 'file_descriptor' strategy.") from None
+        except PermissionError:
+            raise ManagerError(f"the sharedmp manager daemon at {path} belongs to another user; unset "
+                               f"${ENV} to start one of this user's own") from None
+        except socket.timeout:
+            raise ManagerError(f"the sharedmp manager daemon at {path} did not answer within "
+                               f"{HELLO_TIMEOUT:.0f} s (is the machine overloaded?)") from None
+        if reply.startswith(b"NO "):
+            raise ManagerError(f"the sharedmp manager daemon at {path} refused this process: "
+                               f"{reply[3:].decode(errors='replace').strip()}; unset ${ENV} to start "
+                               "one of this user's own")
+        if not reply.startswith(b"OK "):
+            if not os.path.exists(path):
+                raise _Gone()
+            raise ManagerError(f"the sharedmp manager daemon at {path} answered {reply[:60]!r}: "
+                               "not a sharedmp manager of this version")
+        s.settimeout(None)
+        return s, int(reply[3:])
+    except BaseException:
+        s.close()
+        raise
+
+
+def _runtime_dir():
+    d = os.environ.get("XDG_RUNTIME_DIR")
+    return d if d and os.access(d, os.W_OK | os.X_OK) else tempfile.gettempdir()
+
+
+def _start():
+    """Start a daemon of our own; the (connection, pid, path)."""
+    global _popen
+    directory = tempfile.mkdtemp(prefix="sharedmp-", dir=_runtime_dir())     # mode 0700
+    path = os.path.join(directory, "manager.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+        listener.listen(128)
+        # The daemon inherits the bound socket, so we can connect before it even runs.
+        _popen = subprocess.Popen(
+            [sys.executable, "-I", "-S", _SCRIPT, path, str(listener.fileno())],
+            pass_fds=(listener.fileno(),), start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    except BaseException:
+        for p, rm in ((path, os.unlink), (directory, os.rmdir)):
+            try:
+                rm(p)
+            except OSError:
+                pass
+        raise
+    finally:
+        listener.close()
+    s, pid = _hello(path)
+    return s, pid, path
+
+
+def _connect():
+    global _sock, _daemon
+    if _dead is not None:
+        raise ManagerError(_dead)
+    path = os.environ.get(ENV)
+    s = None
+    if path:
+        try:
+            s, pid = _hello(path)
+        except _Gone:
+            pass
+    if s is None:
+        s, pid, path = _start()
+        os.environ[ENV] = path           # children started from now on use this daemon
+    _sock, _daemon = s, (pid, path)
+
+
+def ensure():
+    """Connect to this program's daemon (starting one if needed); ManagerError if it is gone."""
+    if _sock is None:
+        with _lock:
+            if _sock is None:
+                _connect()
+
+
+def _lost(e):
+    """(lock held) The daemon hung up: say so on every later use."""
+    global _sock, _dead
+    pid, path = _daemon
+    _dead = (f"the sharedmp manager daemon (pid {pid}, {path}) went away ({e.strerror or e}), so named "
+             "segments can no longer be tracked. Restart the program, run `python -m sharedmp doctor "
+             "--clean` to remove the segments it left, or use the 'file_descriptor' strategy.")
+    if _sock is not None:
+        _sock.close()
+        _sock = None
+    _pending.clear()
+    if _popen is not None:
+        _popen.poll()                    # reap it if it was our child
+
+
+def _post(op, path, wait=True):
+    """Queue a record and send what is queued; ManagerError (unless ``wait`` is False) if the
+    daemon has gone."""
+    _pending.append(op + b" " + os.fsencode(path) + b"\n")
+    while _pending:
+        if not _lock.acquire(wait):
+            return                       # the holder sends it before it lets go
+        try:
+            batch = []
+            while _pending:
+                batch.append(_pending.popleft())
+            if _sock is not None:
+                _sock.sendall(b"".join(batch), _NOSIGNAL)
+        except OSError as e:
+            _lost(e)
+        finally:
+            _lock.release()
+    if wait and _dead is not None:
+        raise ManagerError(_dead)
+
+
+def created(path):
+    ensure()
+    _post(b"C", path)
+
+
+def forget(path):
+    _post(b"F", path)
+
+
+def sent(path):
+    ensure()
+    _post(b"S", path)
+
+
+def received(path):
+    ensure()
+    _post(b"R", path)
+
+
+def dropped(path):
+    """From a finalizer: never blocks on the lock, never raises."""
+    if _sock is not None:
+        _post(b"D", path, wait=False)
+
+
+def address():
+    """The socket path of this program's daemon, started if needed (for children to inherit)."""
+    ensure()
+    return _daemon[1]
+
+
+def adopt(path):
+    """(in a child) Use the daemon at ``path`` unless this process already talks to one."""
+    if _sock is None and path:
+        os.environ[ENV] = path
+
+
+def daemon_pid():
+    """The pid of the daemon this process talks to, or None."""
+    return _daemon[0] if _daemon is not None and _sock is not None else None
+
+
+def stats(path=None):
+    """{"clients", "segments", "in_flight"} of the daemon at ``path`` (default: ours), on a
+    connection of its own; the segments are those the daemon has not unlinked yet."""
+    path = path or address()
+    s, _ = _hello(path)
+    try:
+        s.settimeout(HELLO_TIMEOUT)
+        s.sendall(b"? -\n")
+        reply = b""
+        while not reply.endswith(b"\n"):
+            chunk = s.recv(4096)
+            if not chunk:
+                raise ManagerError(f"the sharedmp manager daemon at {path} hung up")
+            reply += chunk
+    finally:
+        s.close()
+    clients, segments, in_flight = (int(x) for x in reply.split()[1:4])
+    return {"clients": clients - 1, "segments": segments, "in_flight": in_flight}
+
+
+def find_daemons():
+    """[(socket path, alive)] of this user's daemons in the runtime directory (for doctor).
+
+    A socket nobody listens on is a daemon that was killed: its directory is stale.
+    """
+    out = []
+    base = _runtime_dir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("sharedmp-")]
+    except OSError:
+        return out
+    for name in sorted(names):
+        path = os.path.join(base, name, "manager.sock")
+        try:
+            if os.stat(os.path.dirname(path)).st_uid != os.getuid() or not os.path.exists(path):
+                continue
+        except OSError:
+            continue
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(2)
+            s.connect(path)
+            alive = True
+        except ConnectionRefusedError:
+            alive = False
+        except OSError:
+            continue
+        finally:
+            s.close()
+        out.append((path, alive))
+    return out
+
+
+def remove_stale(path):
+    """Remove the socket and directory of a daemon that was killed."""
+    for p, rm in ((path, os.unlink), (os.path.dirname(path), os.rmdir)):
+        try:
+            rm(p)
+        except FileNotFoundError:
+            pass
+
+
+def after_fork_in_child(held_paths):
+    """(called by segment's fork hook) A fresh connection of our own for what we inherited.
+
+    The inherited socket is the parent's identity: the child closes its copy and, if the
+    parent was a client, connects itself and holds the named segments it maps.
+    """
+    global _lock, _pending, _sock, _dead
+    _lock = threading.Lock()
+    _pending = collections.deque()   # the parent's records: the parent sends them
+    if _sock is None:
+        return
+    _sock.close()
+    _sock = None
+    try:
+        ensure()
+        for path in held_paths:
+            _post(b"H", path)
+    except (ManagerError, OSError) as e:
+        _dead = _dead or str(e)

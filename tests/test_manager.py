@@ -1,0 +1,382 @@
+"""The file_system manager daemon: reference tracking, crashes of any process, other users.
+
+The whole-program scenarios run ``_manager_drivers.py`` in subprocesses without
+$SHAREDMP_MANAGER, so that each has a daemon of its own, and a private shm directory,
+so that what it leaves is its own.
+"""
+import concurrent.futures
+import gc
+import json
+import os
+import random
+import select
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import sharedmp as mp
+from sharedmp.memory import manager, segment
+
+from conftest import TIMEOUT, eventually, join_or_kill
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DRIVERS = os.path.join(HERE, "_manager_drivers.py")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
+
+
+def alive(pid):
+    """Whether ``pid`` is a live process (a zombie is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def segments_in(directory):
+    return sorted(n for n in os.listdir(directory) if n.startswith(segment.PREFIX))
+
+
+class Driver:
+    """A program of _manager_drivers.py in a subprocess, read line by line with timeouts."""
+
+    def __init__(self, shm_dir, *args, **env):
+        e = {k: v for k, v in os.environ.items()
+             if k not in (manager.ENV, mp.strategy.ENV, "SHAREDMP_KEEP_ORPHANS")}
+        e.update({segment.SHM_DIR_ENV: str(shm_dir), "PYTHONUNBUFFERED": "1"}, **env)
+        self.proc = subprocess.Popen([sys.executable, DRIVERS, *map(str, args)], env=e, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.pids = []              # more processes of the program, killed by close()
+
+    def read(self, timeout=TIMEOUT):
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            pytest.fail(f"the driver said nothing within {timeout} s: {self.proc.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def wait(self, timeout=TIMEOUT):
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            pytest.fail(f"the driver did not end within {timeout} s")
+
+    def close(self):
+        for pid in [self.proc.pid] + self.pids:
+            kill(pid)
+        self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
+
+
+# -- one process and its children -------------------------------------------------------
+
+@pytest.fixture
+def fs(tmp_path, monkeypatch):
+    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    mp.set_sharing_strategy("file_system")
+    return tmp_path
+
+
+def test_daemon_in_its_own_session_with_a_private_socket(fs):
+    mp.zeros(1 << 18)
+    path, pid = manager.address(), manager.daemon_pid()
+    assert os.environ[manager.ENV] == path
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    assert os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0)     # its own session
+
+
+def test_children_reuse_the_parents_daemon_unrelated_programs_get_their_own(fs):
+    mp.zeros(10)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_report_daemon, args=(q,))
+    p.start()
+    child = q.get(timeout=TIMEOUT)
+    assert join_or_kill(p) == 0
+    assert child == manager.daemon_pid()
+    d = Driver(fs, "daemon_killed")               # an unrelated program: no $SHAREDMP_MANAGER
+    other = d.read()["daemon"]
+    d.close()
+    assert other != manager.daemon_pid()
+
+
+def _report_daemon(q):
+    mp.zeros(1 << 18)
+    q.put(manager.daemon_pid())
+
+
+def test_in_flight_name_outlives_the_sender(fs):
+    # The child makes the segment, sends it and exits at once: the name must stay valid
+    # until this process attaches, though no process maps it in between.
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_send_and_exit, args=(q,))
+    p.start()
+    assert join_or_kill(p) == 0
+    time.sleep(0.1)                               # the daemon has read the child's last records
+    small, big = q.get(timeout=TIMEOUT)
+    assert (small == 3).all() and (big == 4).all() and mp.is_shared(big)
+    del small, big
+    segment.forget_recent()                        # the receiver keeps its recent arenas mapped
+    assert eventually(lambda: not segments_in(fs))
+
+
+def _send_and_exit(q):
+    q.put((mp.full(10, 3.0), mp.full(1 << 18, 4.0)))
+    os._exit(0)
+
+
+def test_killed_client_releases_what_it_held(fs):
+    # While this process lives (so the daemon does too), a child's SIGKILL alone must free
+    # the segments only that child held.
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_make_and_hang, args=(w,))
+    p.start()
+    try:
+        assert r.poll(TIMEOUT)
+        names = r.recv()
+        assert set(names) <= set(segments_in(fs)) and len(names) == 2
+        kill(p.pid)
+        assert join_or_kill(p) == -signal.SIGKILL
+        assert eventually(lambda: not set(names) & set(segments_in(fs)))
+        assert alive(manager.daemon_pid())                 # the daemon itself lives on
+    finally:
+        kill(p.pid)
+
+
+def _make_and_hang(w):
+    kept = [mp.zeros(10), mp.zeros(1 << 18)]
+    w.send([mp.arrays.mapping_of(a)[1].name for a in kept])
+    time.sleep(TIMEOUT)
+
+
+def test_fork_child_holds_what_it_inherited(fs):
+    a = mp.full(1 << 18, 1.0)
+    name = mp.arrays.mapping_of(a)[1].name
+    ctx = mp.get_context("fork")
+    r, w = ctx.Pipe(duplex=False)
+    go = ctx.Event()
+    p = ctx.Process(target=_inherit, args=(a, w, go))
+    p.start()
+    assert r.poll(TIMEOUT) and r.recv() == "holding"
+    del a                                          # the parent lets go; the child still holds
+    gc.collect()
+    time.sleep(0.1)
+    assert name in segments_in(fs)
+    go.set()
+    assert r.poll(TIMEOUT) and r.recv() == name    # the child sent it on by name: it still exists
+    assert join_or_kill(p) == 0
+    segment.forget_recent()
+    assert eventually(lambda: not segments_in(fs))
+
+
+def _inherit(a, w, go):
+    w.send("holding")
+    go.wait(TIMEOUT)
+    q = mp.get_context("fork").SimpleQueue()
+    q.put(a)
+    b = q.get()                                    # attaches by name
+    assert (b == 1.0).all()
+    w.send(mp.arrays.mapping_of(b)[1].name)
+
+
+def test_prompt_release_keeps_the_directory_bounded(fs):
+    # 10,000 arrays of 64 KiB (625 MiB in all, 157 arenas if nothing were freed), each
+    # dropped by the producer after put() and by the consumer after reading it.
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue(maxsize=32)
+    p = ctx.Process(target=_stream, args=(q, 10000, 1 << 13))
+    p.start()
+    most_files = most_bytes = most_tracked = 0
+    before = manager.stats()                       # this process's own arenas of earlier tests
+    try:
+        for i in range(10000):
+            a = q.get(timeout=TIMEOUT)
+            assert a[0] == i
+            del a
+            if i % 100 == 0:
+                names = segments_in(fs)
+                sizes = [os.stat(fs / n).st_size for n in names if (fs / n).exists()]
+                most_files, most_bytes = max(most_files, len(names)), max(most_bytes, sum(sizes))
+            if i % 1000 == 0:
+                most_tracked = max(most_tracked, manager.stats()["segments"])
+    finally:
+        join_or_kill(p)
+    assert most_files <= 16 and most_bytes <= 64 << 20, (most_files, most_bytes)
+    assert most_tracked <= before["segments"] + 16
+    segment.forget_recent()
+    assert eventually(lambda: not segments_in(fs))
+    assert eventually(lambda: manager.stats() == before)
+
+
+def _stream(q, n, size):
+    for i in range(n):
+        q.put(mp.full(size, float(i)))
+
+
+def test_hostile_records_never_unlink_foreign_files(fs):
+    bystander = fs / "not_a_segment"
+    bystander.write_bytes(b"x")
+    lookalike = fs / ("sharedmp_" + "a" * 20)
+    lookalike.write_bytes(b"y")
+    mp.zeros(10)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(manager.address())
+    assert s.recv(100).startswith(b"OK ")
+    s.sendall(b"HELLO 1\n")
+    s.sendall(b"C %s\nD %s\nC /etc/passwd\nD /etc/passwd\nC relative/sharedmp_%s\nQ junk\n\n"
+              % (bytes(bystander), bytes(bystander), b"b" * 20))
+    s.sendall(b"C %s\nD %s\n" % (bytes(lookalike), bytes(lookalike)))   # same uid: its call
+    s.close()
+    assert eventually(lambda: not lookalike.exists())
+    assert bystander.exists() and os.path.exists("/etc/passwd")
+    s = socket.socket(socket.AF_UNIX)                  # no HELLO: hung up on
+    s.connect(manager.address())
+    s.settimeout(TIMEOUT)
+    assert s.recv(100).startswith(b"OK ")
+    s.sendall(b"GARBAGE\n")
+    assert s.recv(100) == b""
+    s.close()
+    assert (mp.zeros(1 << 18) == 0).all()              # the daemon still serves
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")
+def test_another_uid_is_refused(fs):
+    import pwd
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        pytest.skip("no user 'nobody'")
+    # The code below needs only the standard library: any Python that user may run.
+    python = next((p for p in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3")
+                   if _runs_as(nobody, p)), None)
+    if python is None:
+        pytest.skip("no Python that user 'nobody' may run")
+    mp.zeros(10)
+    path = manager.address()
+    code = ("import socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            "try:\n"
+            f"    s.connect({path!r})\n"
+            "except OSError as e:\n"
+            "    print('connect', type(e).__name__); sys.exit()\n"
+            "s.settimeout(30)\n"
+            "print('reply', s.recv(200).decode().strip())\n")
+
+    def as_nobody():
+        return subprocess.run([python, "-I", "-S", "-c", code], user=nobody, capture_output=True,
+                              text=True, timeout=TIMEOUT, cwd="/").stdout.strip()
+    assert as_nobody() == "connect PermissionError"    # the 0700 directory
+    directory = os.path.dirname(path)
+    os.chmod(directory, 0o755)                         # past the directory: SO_PEERCRED
+    os.chmod(path, 0o777)
+    try:
+        reply = as_nobody()
+    finally:
+        os.chmod(directory, 0o700)
+    assert reply.startswith("reply NO") and "user" in reply
+    assert (mp.zeros(1 << 18) == 0).all()
+
+
+def _runs_as(uid, python):
+    try:
+        return subprocess.run([python, "-I", "-S", "-c", "pass"], user=uid, capture_output=True,
+                              timeout=TIMEOUT, cwd="/").returncode == 0
+    except OSError:
+        return False
+
+
+# -- whole programs killed --------------------------------------------------------------
+
+def _one_round(base, seed):
+    """A program whose producer (and sometimes the program) is SIGKILLed at a random moment."""
+    rng = random.Random(seed)
+    shm = os.path.join(base, f"round{seed}")
+    os.mkdir(shm)
+    d = Driver(shm, "round", seed)
+    first = d.read()
+    d.pids.append(first["child"])
+    time.sleep(rng.uniform(0, 0.25))                   # before, during, after put(); while mapping
+    kill(first["child"])
+    if rng.random() < 0.3:
+        kill(d.proc.pid)                               # the receiver too
+    try:
+        d.proc.wait(TIMEOUT)
+    finally:
+        d.close()
+    gone = eventually(lambda: not alive(first["daemon"]) and not segments_in(shm), timeout=5)
+    return seed, gone, segments_in(shm), alive(first["daemon"]), d.proc.returncode
+
+
+@linux_only
+@pytest.mark.leaks_ok
+@pytest.mark.timeout(600)
+def test_100_rounds_of_sigkill_leave_nothing(tmp_path):
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda s: _one_round(str(tmp_path), s), range(100)))
+    bad = [r for r in results if not r[1]]
+    assert not bad, f"rounds that left segments or a daemon: {bad[:5]}"
+    assert all(r[4] in (0, -signal.SIGKILL) for r in results), [r for r in results if r[4] not in (0, -9)]
+
+
+@linux_only
+@pytest.mark.leaks_ok
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_parent_sigkilled_while_children_hold_segments(tmp_path, method):
+    d = Driver(tmp_path, "parent", method, SHAREDMP_KEEP_ORPHANS="1")   # the children outlive it
+    info = d.read()
+    d.pids += info["children"]
+    assert len(segments_in(tmp_path)) >= 2
+    kill(d.proc.pid)
+    d.proc.wait(TIMEOUT)
+    try:
+        assert eventually(lambda: not any(alive(p) for p in info["children"]), timeout=TIMEOUT)
+        assert eventually(lambda: not segments_in(tmp_path) and not alive(info["daemon"]))
+    finally:
+        d.close()
+
+
+@linux_only
+@pytest.mark.leaks_ok
+def test_daemon_sigkilled_clear_error_then_doctor_clean(tmp_path):
+    d = Driver(tmp_path, "daemon_killed")
+    info = d.read()
+    kill(info["daemon"])
+    assert eventually(lambda: not alive(info["daemon"]))
+    d.proc.stdin.write("go\n")
+    d.proc.stdin.flush()
+    out = d.read()
+    d.wait()
+    d.close()
+    for what, text in out["errors"].items():           # documented: a clear error, no crash
+        assert text and "doctor --clean" in text and "file_descriptor" in text, (what, text)
+    assert out["kept_ok"]
+    left = segments_in(tmp_path)
+    assert left, "nothing was left: this scenario tests the cleaning"
+    env = {k: v for k, v in os.environ.items() if k != manager.ENV}
+    env[segment.SHM_DIR_ENV] = str(tmp_path)
+    doctor = subprocess.run([sys.executable, "-m", "sharedmp", "doctor", "--clean"], env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert not segments_in(tmp_path), doctor.stdout
+    for name in left:
+        assert name in doctor.stdout                   # it lists what it removed
+    assert not os.path.exists(info["socket"])          # and the dead daemon's socket
+    assert os.path.dirname(info["socket"]) in doctor.stdout
