@@ -11,6 +11,8 @@ from . import reductions as _reductions
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
 from .channels.context import JoinableQueue, Pipe, Pool, Queue, SimpleQueue, get_context
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
+from .errors import ProcessExitedException, ProcessRaisedException
+from .processes.spawn import ProcessContext, spawn, start_processes
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"
@@ -19,6 +21,8 @@ __all__ = list(_multiprocessing.__all__) + [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
     "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
     "OutOfSharedMemory", "SegmentError", "ProtocolError", "ManagerError",
+    "spawn", "start_processes", "ProcessContext",
+    "ProcessRaisedException", "ProcessExitedException",
 ]
 
 _reductions.register()

@@ -15,3 +15,33 @@ class ProtocolError(ConnectionError):
 
 class ManagerError(RuntimeError):
     """The file_system strategy's manager daemon is gone or refused this process."""
+
+
+class ProcessException(Exception):
+    """A child of ``mp.spawn()`` / ``mp.start_processes()`` failed (as torch's, picklable)."""
+
+    def __init__(self, msg, error_index, error_pid):
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index      # fn(i, ...): which i failed
+        self.error_pid = error_pid
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid)
+
+
+class ProcessRaisedException(ProcessException):
+    """A child raised; the message holds the child's full traceback text."""
+
+
+class ProcessExitedException(ProcessException):
+    """A child exited with a non-zero code or was killed by a signal (``signal_name``)."""
+
+    def __init__(self, msg, error_index, error_pid, exit_code, signal_name=None):
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code          # as Process.exitcode: -N for signal N
+        self.signal_name = signal_name
+
+    def __reduce__(self):
+        return type(self), (self.msg, self.error_index, self.error_pid, self.exit_code,
+                            self.signal_name)

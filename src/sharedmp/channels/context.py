@@ -1,8 +1,9 @@
 """Contexts for fork, spawn and forkserver whose channels, pools and processes are sharedmp's.
 
 Each is the standard context of its start method with Queue, JoinableQueue,
-SimpleQueue, Pipe, Pool and Process replaced, so it works wherever a
-``multiprocessing`` context does (``ProcessPoolExecutor(mp_context=...)``,
+SimpleQueue, Pipe, Pool and Process replaced (a child starts with the parent's
+sharing strategy and, on Linux, dies with its parent: ``processes/pdeath.py``), so it
+works wherever a ``multiprocessing`` context does (``ProcessPoolExecutor(mp_context=...)``,
 ``DataLoader(multiprocessing_context=...)``).
 """
 import multiprocessing
@@ -12,6 +13,7 @@ import multiprocessing.pool
 from .. import strategy
 from ..errors import ManagerError
 from ..memory import manager
+from ..processes.pdeath import DieWithParent
 
 
 class _CarryStrategy:
@@ -41,15 +43,15 @@ class _CarryStrategy:
         return super()._bootstrap(*args, **kwargs)
 
 
-class ForkProcess(_CarryStrategy, _std.ForkProcess):
+class ForkProcess(DieWithParent, _CarryStrategy, _std.ForkProcess):
     pass
 
 
-class SpawnProcess(_CarryStrategy, _std.SpawnProcess):
+class SpawnProcess(DieWithParent, _CarryStrategy, _std.SpawnProcess):
     pass
 
 
-class ForkServerProcess(_CarryStrategy, _std.ForkServerProcess):
+class ForkServerProcess(DieWithParent, _CarryStrategy, _std.ForkServerProcess):
     pass
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from multiprocessing import context as _mpcontext
-from multiprocessing.util import Finalize, debug, register_after_fork
+from multiprocessing.util import Finalize, debug
 from queue import Empty, Full
 
 try:
@@ -29,6 +29,19 @@ from . import fdpass
 from .connection import Pipe, dumps, loads
 
 _SENTINEL = object()
+
+# The Queues created here. A forked child resets them -- after os.fork() too, not only in
+# multiprocessing's children: the feeder thread, its lock and the fds it holds for unsent
+# messages belong to the parent.
+_queues = weakref.WeakSet()
+
+
+def _after_fork_in_child():
+    for q in list(_queues):
+        q._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Held:
@@ -127,7 +140,7 @@ class Queue:
         self._creator = os.getpid()
         self._ignore_epipe = False
         self._reset()
-        register_after_fork(self, Queue._after_fork)
+        _queues.add(self)
 
     def __getstate__(self):
         _mpcontext.assert_spawning(self)

@@ -1,0 +1,165 @@
+"""Children that never outlive their parent: PR_SET_PDEATHSIG, set in every child.
+
+Every Process of a sharedmp context (so spawn()'s children and Pool workers too)
+records at ``start()`` which process starts it; the child, first thing in
+``_bootstrap``, asks the kernel for SIGKILL when its parent dies (``prctl``) and then
+checks that its parent is still the one that started it: the parent may have died
+before the ``prctl``, and the kernel would then never send the signal.
+
+- fork, spawn: the child's OS parent is the starting process.
+- forkserver: the OS parent is the fork server, which exits when the starting process
+  dies (EOF on its "alive" pipe), so the signal comes one link later. The check is that
+  the parent of our parent is the starting process. CPython gives every forkserver
+  child the write end of that pipe too (``forkserver._forkserver_alive_fd``), which it
+  never uses (a child that starts forkserver children launches its own server); while
+  a child holds it the server never sees EOF, so the child closes it.
+
+Hazard: the kernel sends the signal when the *thread* that created the child ends, not
+the process (prctl(2): "the parent thread"). ``Pool`` starts replacement workers from
+its worker-handler thread, which ends at ``close()``/``join()``; any user thread may
+start a child and end. So a child is always created by a thread that lives as long as
+the process: the main thread, or else one daemon "starter" thread that runs ``start()``
+for the other threads. (A daemon thread is only abandoned at interpreter exit, after
+multiprocessing has joined or terminated the children it knows.)
+
+SIGKILL, because a parent-death signal that the child can catch or ignore does not
+make it die; the kernel frees its memfd segments all the same. Linux only: elsewhere,
+and with ``SHAREDMP_KEEP_ORPHANS=1``, nothing here does anything.
+"""
+import os
+import signal
+import sys
+import threading
+
+ENV = "SHAREDMP_KEEP_ORPHANS"
+HAVE_PDEATHSIG = sys.platform.startswith("linux")
+SIGNAL = signal.SIGKILL
+_PR_SET_PDEATHSIG = 1
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def keep_orphans():
+    """True if $SHAREDMP_KEEP_ORPHANS asks that children may outlive their parent."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{ENV}={os.environ[ENV]!r} is not understood: set it to 1 to let children "
+                     "outlive their parent, or to 0 (or unset it) for children that die with it")
+
+
+class DieWithParent:
+    """Process mixin: on Linux the child is killed when the process that started it dies."""
+
+    def start(self):
+        # What the child checks: (pid of the starting process, started via the fork server).
+        self._sharedmp_parent = None
+        if HAVE_PDEATHSIG and not keep_orphans():
+            self._sharedmp_parent = (os.getpid(), self._start_method == "forkserver")
+            if not _on_lasting_thread():
+                return _start_on_lasting_thread(super().start)
+        return super().start()
+
+    def _bootstrap(self, *args, **kwargs):
+        parent = getattr(self, "_sharedmp_parent", None)   # None: off, or start() was overridden
+        if parent is not None:
+            arm(*parent)
+        return super()._bootstrap(*args, **kwargs)
+
+
+def arm(parent_pid, via_forkserver):
+    """(in the child) Die with the parent; die now if the parent is already gone."""
+    import ctypes  # deferred: only children pay for it
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(SIGNAL), ctypes.c_ulong(0),
+                  ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        import warnings
+        err = ctypes.get_errno()
+        warnings.warn(f"sharedmp: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(err)}): this child "
+                      "will outlive its parent if the parent dies", RuntimeWarning, stacklevel=2)
+        return
+    ppid = os.getppid()
+    if via_forkserver:
+        _close_forkserver_alive_fd()
+        alive = _parent_of(ppid) in (parent_pid, None)   # None: cannot tell; the signal will
+    else:
+        alive = ppid == parent_pid
+    if not alive:
+        os.kill(os.getpid(), SIGNAL)
+
+
+def _close_forkserver_alive_fd():
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None and getattr(server, "_forkserver_pid", 0) is None:   # not our own server's
+        server._forkserver_alive_fd = None
+        os.close(fd)
+
+
+def _parent_of(pid):
+    """The parent pid of ``pid`` from /proc, or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'.
+    return int(stat[stat.rindex(b")") + 2:].split()[1])
+
+
+# ---------------------------------------------------------------------------------------
+# The starter thread: creates the children asked for by threads other than the main one.
+
+_starter = None                  # (thread, requests) once started in this process
+_starter_lock = threading.Lock()
+
+
+def _on_lasting_thread():
+    current = threading.current_thread()
+    return current is threading.main_thread() or (_starter is not None and current is _starter[0])
+
+
+def _start_on_lasting_thread(start):
+    """Run ``start()`` on the starter thread and return its result (or raise its error)."""
+    global _starter
+    with _starter_lock:
+        if _starter is None:
+            import queue
+            requests = queue.SimpleQueue()
+            thread = threading.Thread(target=_serve, args=(requests,), name="sharedmp-starter",
+                                      daemon=True)
+            thread.start()
+            _starter = (thread, requests)
+        requests = _starter[1]
+    done, outcome = threading.Event(), []
+    requests.put((start, done, outcome))
+    done.wait()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _serve(requests):
+    while True:
+        start, done, outcome = requests.get()
+        try:
+            outcome.append((True, start()))
+        except BaseException as e:       # handed to the caller, raised in its thread
+            outcome.append((False, e))
+        finally:
+            done.set()
+        start = done = outcome = None    # hold nothing of a finished request while waiting
+
+
+def _after_fork_in_child():
+    # The starter thread does not exist in a forked child; its lock may have been held.
+    global _starter, _starter_lock
+    _starter = None
+    _starter_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,185 @@
+"""mp.spawn() and mp.start_processes(): run fn(i, *args) in nprocs children, as torch does.
+
+Adapted from torch/multiprocessing/spawn.py; changed:
+- the children are Processes of sharedmp's contexts, so they start with the parent's
+  sharing strategy and die with the parent (``pdeath.py``; torch's wrapper sets SIGINT);
+- a child's traceback goes to a file of one private temporary directory, written whole
+  (rename) and removed with the directory once the context is done (torch leaves them);
+- if starting the k-th child fails, the children already started are killed;
+- bad ``fn``/``nprocs``/``start_method`` raise before anything starts;
+- ``join()`` after a failure raises the same exception again.
+"""
+import multiprocessing.connection
+import operator
+import os
+import signal
+import sys
+import warnings
+
+from ..channels.context import get_context
+from ..errors import ProcessExitedException, ProcessRaisedException
+
+_TERM_WAIT = 30          # seconds between SIGTERM and SIGKILL when no grace_period is given
+
+
+def _wrap(fn, i, args, error_file):
+    """(in the child) fn(i, *args); an exception's traceback goes to ``error_file``."""
+    try:
+        fn(i, *args)
+    except KeyboardInterrupt:
+        pass                            # as torch: Ctrl-C reached the parent as well
+    except Exception:
+        import traceback
+        text = traceback.format_exc()
+        try:
+            tmp = error_file + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, error_file)     # the parent never reads half a traceback
+        except OSError:                     # the parent has gone and removed the directory
+            sys.stderr.write(text)
+        sys.exit(1)
+
+
+class ProcessContext:
+    """The children of one start_processes() call: ``join()`` them, ``pids()``."""
+
+    def __init__(self, processes, error_files, error_dir=None):
+        self.processes = processes
+        self.error_files = error_files
+        self.sentinels = {p.sentinel: i for i, p in enumerate(processes)}
+        self._failure = None
+        self._remove_dir = None
+        if error_dir is not None:
+            import shutil
+            import weakref
+            self._remove_dir = weakref.finalize(self, shutil.rmtree, error_dir, ignore_errors=True)
+
+    def pids(self):
+        """The children's pids, by index."""
+        return [int(p.pid) for p in self.processes]
+
+    def join(self, timeout=None, grace_period=None):
+        """Wait up to ``timeout`` s (None: until a child ends); True once every child ended well.
+
+        If a child failed, the others get ``grace_period`` s to end by themselves (None:
+        none), then SIGTERM, then SIGKILL after ``grace_period`` s more (None: 30 s), and
+        ProcessRaisedException (it raised: its traceback) or ProcessExitedException (exit
+        code or signal) is raised.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if not self.sentinels:
+            return True
+        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        failed = None
+        for sentinel in sorted(ready, key=self.sentinels.get):   # report the lowest failing index
+            index = self.sentinels.pop(sentinel)
+            process = self.processes[index]
+            process.join()
+            if process.exitcode != 0 and failed is None:
+                failed = index
+        if failed is None:
+            if not self.sentinels:
+                self._done()
+            return not self.sentinels
+        self._stop_all(grace_period)
+        self._failure = self._exception(failed)
+        self._done()
+        raise self._failure
+
+    def _stop_all(self, grace_period):
+        if grace_period is not None:
+            _join_all(self.processes, grace_period)
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        _join_all(self.processes, _TERM_WAIT if grace_period is None else grace_period)
+        for p in self.processes:
+            if p.is_alive():            # stuck in C code that never reaches Python's handler
+                p.kill()
+            p.join()
+        self.sentinels.clear()
+
+    def _exception(self, i):
+        pid = self.processes[i].pid
+        try:
+            with open(self.error_files[i], encoding="utf-8") as f:
+                trace = f.read()
+        except OSError:
+            trace = None
+        if trace is not None:
+            return ProcessRaisedException(
+                f"\n\n-- Process {i:d} terminated with the following error:\n{trace}", i, pid)
+        code = self.processes[i].exitcode
+        if code >= 0:
+            return ProcessExitedException(f"process {i:d} terminated with exit code {code:d}",
+                                          i, pid, exit_code=code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"<Unknown signal {-code}>"
+        hint = (" (often the kernel's out-of-memory killer: see `dmesg`)"
+                if -code == signal.SIGKILL else "")
+        return ProcessExitedException(f"process {i:d} terminated with signal {name}{hint}",
+                                      i, pid, exit_code=code, signal_name=name)
+
+    def _done(self):
+        if self._remove_dir is not None:
+            self._remove_dir()
+
+
+def _join_all(processes, timeout):
+    """Join every process within one shared ``timeout``."""
+    import time
+    end = time.monotonic() + timeout
+    for p in processes:
+        p.join(max(0.0, end - time.monotonic()))
+
+
+def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """Run fn(i, *args) in a child for each i < nprocs; join them or return their ProcessContext."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable run as fn(i, *args), got {type(fn).__name__}")
+    try:
+        nprocs = operator.index(nprocs)
+    except TypeError:
+        raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__}") from None
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be at least 1, got {nprocs}")
+    ctx = get_context(start_method)        # ValueError naming the valid start methods
+    args = tuple(args)
+
+    import shutil
+    import tempfile
+    error_dir = tempfile.mkdtemp(prefix="sharedmp-spawn-")
+    processes, error_files = [], []
+    try:
+        for i in range(nprocs):
+            error_file = os.path.join(error_dir, f"{i}.err")
+            p = ctx.Process(target=_wrap, args=(fn, i, args, error_file), daemon=daemon)
+            p.start()                       # spawn: an unpicklable fn or args raises here
+            processes.append(p)
+            error_files.append(error_file)
+    except BaseException:
+        for p in processes:
+            p.kill()
+        for p in processes:
+            p.join()
+        shutil.rmtree(error_dir, ignore_errors=True)
+        raise
+    context = ProcessContext(processes, error_files, error_dir)
+    if not join:
+        return context
+    while not context.join():
+        pass
+    return None
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """start_processes() with the spawn start method (``start_method``: deprecated, as in torch)."""
+    if start_method != "spawn":
+        warnings.warn(f"spawn() always uses the 'spawn' start method (got {start_method!r}); "
+                      f"use mp.start_processes(..., start_method={start_method!r}) for another",
+                      FutureWarning, stacklevel=2)
+    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")

@@ -1,0 +1,481 @@
+"""Process helpers: spawn()/start_processes(), children that die with their parent, fork safety.
+
+The parent-death tests run a real main process (``_orphan_driver.py``) and SIGKILL it;
+its children are not ours, so these tests find them through /proc, kill what is left
+by pid (checking the start time, so a reused pid is never hit) and check that nothing
+of the driver's process tree survives.
+"""
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import sharedmp as mp
+from sharedmp.errors import ProcessException
+from sharedmp.processes import pdeath
+
+import _process_workers as w
+from conftest import TIMEOUT, join_or_kill
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DRIVER = os.path.join(HERE, "_orphan_driver.py")
+
+
+# -- /proc helpers ---------------------------------------------------------------------------
+
+def _stat(pid):
+    """(state, ppid, start time) of ``pid``, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[1]), int(fields[19])
+
+
+def descendants(root):
+    """{pid: start time} of every process below ``root`` now."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None and st[0] not in "ZX":
+                children.setdefault(st[1], []).append((int(name), st[2]))
+    out, todo = {}, [root]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            out[pid] = start
+            todo.append(pid)
+    return out
+
+
+def alive(procs):
+    """The pids of ``procs`` ({pid: start time}) that still run (not zombies, not reused)."""
+    out = []
+    for pid, start in procs.items():
+        st = _stat(pid)
+        if st is not None and st[2] == start and st[0] not in "ZX":
+            out.append(pid)
+    return out
+
+
+def wait_gone(procs, timeout):
+    """Poll until none of ``procs`` runs; return those still running after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (left := alive(procs)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+def kill_all(procs):
+    for pid in alive(procs):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not wait_gone(procs, 10), "could not kill the driver's leftovers"
+
+
+def wait_for(predicate, timeout=TIMEOUT, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}", pytrace=False)
+        time.sleep(0.02)
+
+
+def ready_pids(where):
+    return sorted(int(n[6:]) for n in os.listdir(where) if n.startswith("ready-") and "." not in n)
+
+
+def start_driver(where, *args, keep_orphans=False):
+    env = dict(os.environ)
+    env.pop(pdeath.ENV, None)
+    if keep_orphans:
+        env[pdeath.ENV] = "1"
+    err = open(os.path.join(where, "driver.err"), "w")
+    with err:
+        return subprocess.Popen([sys.executable, DRIVER, str(where), *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=HERE)
+
+
+def driver_errors(where):
+    with open(os.path.join(where, "driver.err")) as f:
+        return f.read()[-3000:]
+
+
+def run_tree(where, keep_orphans):
+    """Start the driver's tree, wait until every child runs, SIGKILL the driver.
+
+    Returns ({pid: start time} of the whole tree below the driver, the children's pids).
+    """
+    driver = start_driver(where, "tree", keep_orphans=keep_orphans)
+    tree = {}
+    try:
+        info = os.path.join(where, "driver.json")
+        wait_for(lambda: os.path.exists(info) or driver.poll() is not None, what="the driver")
+        assert driver.poll() is None, driver_errors(where)
+        with open(info) as f:
+            n = json.load(f)["n"]
+        wait_for(lambda: len(ready_pids(where)) == n, what=f"{n} children to run")
+        tree = descendants(driver.pid)
+        children = ready_pids(where)
+        assert set(children) <= set(tree)
+        # Children started from threads that have ended are still alive.
+        assert sorted(alive({p: tree[p] for p in children})) == children
+        os.kill(driver.pid, signal.SIGKILL)
+        assert driver.wait(TIMEOUT) == -signal.SIGKILL
+        return tree, children
+    except BaseException:
+        kill_all(tree)
+        raise
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(TIMEOUT)
+
+
+# -- parent death ----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
+def test_sigkilled_main_process_leaves_no_child(tmp_path):
+    tree, children = run_tree(str(tmp_path), keep_orphans=False)
+    try:
+        left = wait_gone(tree, 5)
+        assert not left, f"alive 5 s after the main process was SIGKILLed: {left} (children {children})"
+    finally:
+        kill_all(tree)
+
+
+@pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
+def test_keep_orphans_lets_children_outlive_the_parent(tmp_path):
+    tree, children = run_tree(str(tmp_path), keep_orphans=True)
+    try:
+        time.sleep(1.0)       # the signal comes within milliseconds when it comes
+        assert sorted(alive({p: tree[p] for p in children})) == children
+    finally:
+        kill_all(tree)
+
+
+@pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_child_whose_parent_died_before_it_armed_never_runs(tmp_path, method):
+    where = str(tmp_path)
+    driver = start_driver(where, "early", method)
+    try:
+        assert driver.wait(TIMEOUT) == -signal.SIGKILL, driver_errors(where)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(TIMEOUT)
+    with open(os.path.join(where, "child.pid")) as f:
+        pid = int(f.read())
+    st = _stat(pid)
+    child = {pid: st[2]} if st is not None else {}
+    try:
+        # 1 s to unpickle its arguments, then it must find its parent gone and die.
+        assert not wait_gone(child, 10), driver_errors(where)
+        assert not os.path.exists(os.path.join(where, "ran")), "the orphan ran its target"
+    finally:
+        kill_all(child)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_child_started_from_a_thread_outlives_that_thread(method):
+    ctx = mp.get_context(method)
+    go = ctx.Event()
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=w.wait_then_report, args=(there, go, TIMEOUT))
+
+    def starter():
+        p.start()
+        assert here.poll(TIMEOUT)        # the child runs (armed) before this thread ends
+        started.append(here.recv())
+
+    started = []
+    t = threading.Thread(target=starter)
+    t.start()
+    t.join(TIMEOUT)
+    assert started == [p.pid]
+    time.sleep(0.2)                      # a signal sent at the thread's end would have landed
+    assert p.is_alive()
+    go.set()
+    assert here.poll(TIMEOUT) and here.recv() == "done"
+    assert join_or_kill(p) == 0
+
+
+def test_start_from_a_thread_raises_in_that_thread():
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=w.touch, args=("unused", lambda: None))   # a lambda cannot be pickled
+    errors = []
+
+    def starter():
+        try:
+            p.start()
+        except Exception as e:
+            errors.append(e)
+
+    t = threading.Thread(target=starter)
+    t.start()
+    t.join(TIMEOUT)
+    assert len(errors) == 1 and "pickle" in str(errors[0]).lower()
+    assert mp.active_children() == []
+
+
+@pytest.mark.parametrize("method, tasks", [("fork", 50), ("spawn", 10)])   # spawn: 0.3 s a worker
+def test_pool_replacement_workers_survive_the_handler_thread(method, tasks):
+    # maxtasksperchild=1: every task gets a fresh worker, started by the pool's handler
+    # thread, which ends at close(); the workers then take 0.3 s to exit. Killed at the
+    # thread's end, they would exit with -SIGKILL.
+    pool = mp.get_context(method).Pool(2, initializer=w.slow_exit_initializer, initargs=(0.3,),
+                                       maxtasksperchild=1)
+    try:
+        results = pool.map_async(w.square, range(tasks), chunksize=1).get(TIMEOUT * 3)
+        assert [r for r, _ in results] == [x * x for x in range(tasks)]
+        assert len({pid for _, pid in results}) == tasks       # one worker per task
+        pool.close()
+        pool.join()
+        assert [p.exitcode for p in pool._pool] == [0, 0]
+    finally:
+        pool.terminate()
+
+
+def test_keep_orphans_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(pdeath.ENV, "maybe")
+    p = mp.get_context("fork").Process(target=w.touch, args=("unused",))
+    with pytest.raises(ValueError, match="SHAREDMP_KEEP_ORPHANS.*set it to 1"):
+        p.start()
+    monkeypatch.setenv(pdeath.ENV, "0")
+    assert pdeath.keep_orphans() is False
+    monkeypatch.setenv(pdeath.ENV, "1")
+    assert pdeath.keep_orphans() is True
+
+
+# -- spawn() / start_processes() -------------------------------------------------------------
+
+def _no_error_dir(ctx):
+    return not any(os.path.exists(os.path.dirname(f)) for f in ctx.error_files)
+
+
+def test_spawn_runs_fn_with_index_and_args():
+    out = mp.zeros(4)
+    assert mp.spawn(w.fill_index, args=(out,), nprocs=4) is None
+    assert out.tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_start_processes_carries_the_sharing_strategy(method):
+    mp.set_sharing_strategy("file_system")
+    out = mp.full(2, -1, dtype=np.int64)
+    mp.start_processes(w.report_strategy, args=(out,), nprocs=2, start_method=method)
+    code = sorted(mp.get_all_sharing_strategies()).index("file_system")
+    assert out.tolist() == [code, code]
+
+
+def test_raising_child_gives_its_traceback_and_the_others_are_stopped(tmp_path):
+    ctx = mp.spawn(w.raise_at, args=(1, str(tmp_path)), nprocs=3, join=False)
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        while not ctx.join(TIMEOUT):
+            pass
+    e = info.value
+    assert (e.error_index, e.error_pid) == (1, ctx.pids()[1])
+    text = str(e)
+    assert "-- Process 1 terminated with the following error:" in text
+    assert "Traceback (most recent call last)" in text
+    assert "_nested_failure" in text and "ValueError: boom in child 1" in text
+    assert sorted(ready_pids(str(tmp_path))) == sorted([ctx.pids()[0], ctx.pids()[2]])
+    assert [ctx.processes[i].exitcode for i in (0, 2)] == [-signal.SIGTERM] * 2
+    assert _no_error_dir(ctx)
+
+
+@pytest.mark.parametrize("how, code, name", [("exit3", 3, None), ("SIGKILL", -9, "SIGKILL"),
+                                             ("SIGSEGV", -11, "SIGSEGV")])
+def test_exiting_child_gives_code_or_signal(tmp_path, how, code, name):
+    ctx = mp.start_processes(w.exit_with, args=(how, str(tmp_path)), nprocs=2,
+                             start_method="fork", join=False)
+    with pytest.raises(mp.ProcessExitedException) as info:
+        while not ctx.join(TIMEOUT):
+            pass
+    e = info.value
+    assert (e.error_index, e.error_pid, e.exit_code, e.signal_name) == (0, ctx.pids()[0], code, name)
+    assert (name or f"exit code {code}") in str(e)
+    assert not ctx.processes[1].is_alive()
+    assert _no_error_dir(ctx)
+    with pytest.raises(mp.ProcessExitedException):        # joining again says it again
+        ctx.join()
+
+
+def test_grace_period_then_sigkill_for_a_child_ignoring_sigterm(tmp_path):
+    ctx = mp.start_processes(w.ignore_term_then_sleep, args=(str(tmp_path),), nprocs=2,
+                             start_method="fork", join=False)
+    with pytest.raises(mp.ProcessRaisedException, match="first child fails"):
+        while not ctx.join(TIMEOUT, grace_period=0.3):
+            pass
+    assert ctx.processes[1].exitcode == -signal.SIGKILL    # SIGTERM was ignored
+
+
+def test_join_timeout_false_while_running_then_true(tmp_path):
+    flag = str(tmp_path / "go")
+    ctx = mp.spawn(w.wait_for_file, args=(flag,), nprocs=2, join=False)
+    try:
+        assert isinstance(ctx, mp.ProcessContext)
+        assert ctx.pids() == [p.pid for p in ctx.processes] and all(ctx.pids())
+        assert ctx.join(timeout=0.2) is False
+        w.write_file(flag)
+        deadline = time.monotonic() + TIMEOUT
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline
+        assert ctx.join() is True                           # and again, once done
+        assert [p.exitcode for p in ctx.processes] == [0, 0]
+        assert _no_error_dir(ctx)
+    finally:
+        for p in ctx.processes:
+            join_or_kill(p)
+
+
+def test_nonzero_sys_exit_is_an_exit_code():
+    with pytest.raises(mp.ProcessExitedException, match="exit code 7") as info:
+        mp.start_processes(w.exit_code_of, args=(7,), nprocs=1, start_method="fork")
+    assert info.value.exit_code == 7 and info.value.signal_name is None
+
+
+def test_failed_start_stops_the_children_already_started():
+    import tempfile
+    w.FailSecondPickle.pickled = 0
+    before = set(os.listdir(tempfile.gettempdir()))
+    with pytest.raises(TypeError, match="refusing to be pickled twice"):
+        mp.spawn(w.sleep_with, args=(w.FailSecondPickle(),), nprocs=3)
+    assert w.FailSecondPickle.pickled == 2          # the first child did start
+    assert mp.active_children() == []
+    after = set(os.listdir(tempfile.gettempdir()))
+    assert not [n for n in after - before if n.startswith("sharedmp-spawn-")]
+
+
+def test_bad_arguments_raise_before_anything_starts():
+    with pytest.raises(TypeError, match="callable"):
+        mp.spawn("not a function")
+    with pytest.raises(TypeError, match="nprocs must be an int"):
+        mp.spawn(w.fill_index, nprocs=2.0)
+    with pytest.raises(ValueError, match="at least 1"):
+        mp.spawn(w.fill_index, nprocs=0)
+    with pytest.raises(ValueError, match="valid start methods"):
+        mp.start_processes(w.fill_index, start_method="thread")
+    with pytest.warns(FutureWarning, match="start_processes"):
+        mp.spawn(w.fill_index, args=(mp.zeros(1),), start_method="fork")
+    assert mp.active_children() == []
+
+
+def test_exceptions_pickle_with_their_fields():
+    raised = mp.ProcessRaisedException("trace text", 2, 1234)
+    exited = mp.ProcessExitedException("killed", 1, 99, exit_code=-9, signal_name="SIGKILL")
+    for e in (raised, exited):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and isinstance(back, ProcessException)
+        assert vars(back) == vars(e) and str(back) == str(e)
+    assert (exited.exit_code, exited.signal_name) == (-9, "SIGKILL")
+
+
+# -- fork safety -----------------------------------------------------------------------------
+
+def _module_locks():
+    """(module name, attribute) of every module-level lock of sharedmp, torch's included."""
+    pytest.importorskip("torch")
+    import sharedmp.channels.queues  # noqa: F401  (imported on first use)
+    import sharedmp.processes.spawn  # noqa: F401
+    lock_types = (type(threading.Lock()), type(threading.RLock()))
+    found = []
+    for name, module in sorted(sys.modules.items()):
+        if name == "sharedmp" or name.startswith("sharedmp."):
+            for attr, value in sorted(vars(module).items()):
+                if isinstance(value, lock_types):
+                    found.append((name, attr))
+    return found
+
+
+def _fork_and_wait(child, timeout=TIMEOUT):
+    """Run ``child()`` in a raw os.fork() child; return its exit status (bounded)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if child() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"forked child deadlocked (no exit in {timeout} s)", pytrace=False)
+        time.sleep(0.01)
+
+
+def test_fork_while_other_threads_hold_every_sharedmp_lock():
+    import torch
+    locks = _module_locks()
+    names = {f"{m}.{a}" for m, a in locks}
+    assert {"sharedmp.memory.segment._lock", "sharedmp.memory.arena._lock",
+            "sharedmp.processes.pdeath._starter_lock",
+            "sharedmp.reductions.torch._lock"} <= names
+    held, release = threading.Event(), threading.Event()
+
+    def hold_all():
+        got = [getattr(sys.modules[m], a) for m, a in locks]
+        for lock in got:
+            lock.acquire()
+        held.set()
+        release.wait(TIMEOUT)
+        for lock in reversed(got):
+            lock.release()
+
+    t = threading.Thread(target=hold_all)
+    t.start()
+    try:
+        assert held.wait(TIMEOUT)
+
+        def child():
+            for m, a in locks:                       # re-created, so free in the child
+                if not getattr(sys.modules[m], a).acquire(timeout=5):
+                    return False
+                getattr(sys.modules[m], a).release()
+            a = mp.zeros(1000)                        # arena and segment
+            a += 1
+            t = mp.share_memory_(torch.ones(10))      # torch's move path
+            return (a.sum() == 1000 and t.is_shared()
+                    and pdeath._start_on_lasting_thread(lambda: 42) == 42)   # a new starter
+
+        assert _fork_and_wait(child) == 0
+    finally:
+        release.set()
+        t.join(TIMEOUT)
+
+
+def test_forked_child_resets_queues_of_its_parent():
+    q = mp.get_context("fork").Queue()
+    q.put(mp.zeros(10) + 1)                           # starts the feeder thread here
+    assert q._thread is not None
+
+    def child():
+        reset = q._thread is None and not q._held._held and q._notempty.acquire(timeout=5)
+        q.put("from the child")                       # a non-creator sends directly
+        return reset
+
+    with q._notempty:                                 # as if the feeder were in the middle of it
+        status = _fork_and_wait(child)
+    assert status == 0
+    got = [q.get(timeout=TIMEOUT), q.get(timeout=TIMEOUT)]
+    assert any(isinstance(x, np.ndarray) and (x == 1).all() for x in got)
+    assert any(isinstance(x, str) and x == "from the child" for x in got)
+    q.close()
+    q.join_thread()
