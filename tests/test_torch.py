@@ -66,8 +66,8 @@ import sharedmp.reductions.torch as R
 ours = all(FP._extra_reducers[c] is R.reduce_tensor for c in (torch.Tensor, Parameter))
 ours &= FP._extra_reducers[torch.UntypedStorage] is R.reduce_storage
 ours &= FP._extra_reducers[torch.FloatStorage] is R.reduce_typed_storage_child
-finders = [type(f).__name__ for f in sys.meta_path]
-print(ours, '_AfterImport' in finders, type(torch.__loader__).__name__, type(torch.__spec__.loader).__name__)
+waiting = [f for f in sys.meta_path if type(f).__name__ == '_AfterImport' and f.name.startswith('torch')]
+print(ours, bool(waiting), type(torch.__loader__).__name__, type(torch.__spec__.loader).__name__)
 """
 
 

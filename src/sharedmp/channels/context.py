@@ -10,6 +10,7 @@ import multiprocessing
 import multiprocessing.context as _std
 import multiprocessing.pool
 
+from .. import cuda as _cuda
 from .. import strategy
 from ..errors import ManagerError
 from ..memory import manager
@@ -44,7 +45,9 @@ class _CarryStrategy:
 
 
 class ForkProcess(DieWithParent, _CarryStrategy, _std.ForkProcess):
-    pass
+    def start(self):
+        _cuda.check_fork()            # a forked child of a CUDA process cannot use CUDA
+        super().start()
 
 
 class SpawnProcess(DieWithParent, _CarryStrategy, _std.SpawnProcess):

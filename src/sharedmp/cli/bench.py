@@ -1183,6 +1183,12 @@ def run(args):
     print(format_header(report))
     print()
     print(format_table(report))
+    # ---- CUDA rows (cli/bench_cuda.py): sharedmp vs torch on a GPU; skipped without one ----
+    if workloads is None or any(w.startswith("C") for w in workloads):
+        from . import bench_cuda
+        report["cuda"] = bench_cuda.run(args.quick)
+        print()
+        print(bench_cuda.format_rows(report["cuda"]))
     if args.plot:
         plot(report, args.plot)
         report["plot"] = os.path.abspath(args.plot)

@@ -36,6 +36,7 @@ def register():
     ForkingPickler.register(Segment, reduce_segment)
     ForkingPickler.register(np.ndarray, reduce_ndarray)
     _register_torch_when_imported()
+    _register_cupy_when_imported()
     _done = True
 
 
@@ -68,11 +69,30 @@ def _register_torch_when_imported():
             sys.meta_path.insert(0, _AfterImport("torch.multiprocessing"))
 
 
+def _register_cupy():
+    # CuPy arrays go by CUDA IPC (reductions/cuda.py); cupy.ndarray exists only once CuPy is in.
+    try:
+        from .cuda import register_cupy
+        register_cupy()
+    except Exception as e:
+        warnings.warn(f"sharedmp: CuPy support is off, its reducer failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _register_cupy_when_imported():
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        sys.meta_path.insert(0, _AfterImport("cupy", _register_cupy))
+    elif not getattr(getattr(cupy, "__spec__", None), "_initializing", False):
+        _register_cupy()
+
+
 class _AfterImport:
     """A meta path finder that finds nothing itself: it wraps the loader of module ``name``."""
 
-    def __init__(self, name):
+    def __init__(self, name, then=None):
         self.name = name
+        self.then = then or _register_torch
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.name:
@@ -89,15 +109,16 @@ class _AfterImport:
         # Leave only now: removing ourselves while the import system iterates sys.meta_path
         # is safe because we return a spec, which ends its iteration.
         sys.meta_path.remove(self)
-        spec.loader = _RegisterAfter(spec.loader)
+        spec.loader = _RegisterAfter(spec.loader, self.then)
         return spec
 
 
 class _RegisterAfter:
-    """The module's own loader, then sharedmp's torch registration."""
+    """The module's own loader, then sharedmp's registration for it (``then``)."""
 
-    def __init__(self, loader):
+    def __init__(self, loader, then=None):
         self.loader = loader
+        self.then = then or _register_torch
 
     def __getattr__(self, name):          # get_source, get_resource_reader, ... are the loader's
         return getattr(self.loader, name)
@@ -114,4 +135,4 @@ class _RegisterAfter:
             spec = getattr(module, "__spec__", None)
             if spec is not None and spec.loader is self:
                 spec.loader = self.loader
-        _register_torch()
+        self.then()

@@ -420,7 +420,10 @@ def _init_optimizer_state(opt):
 
 def reduce_storage(storage):
     if not _is_cpu_storage(storage):
-        return _torch_reductions.reduce_storage(storage)   # CUDA, meta: torch's (it refuses)
+        if storage.device.type == "cuda":                  # by CUDA IPC, with leases
+            from . import cuda
+            return cuda.reduce_torch_storage(storage)
+        return _torch_reductions.reduce_storage(storage)   # meta & co: torch's (it refuses)
     nbytes = storage.nbytes()
     if nbytes == 0:
         return rebuild_storage_empty, ()
@@ -626,7 +629,11 @@ def _reduce_other_tensor(t):
     if device == "meta":                              # no data: by value
         return rebuild_meta_tensor, (type(t), tuple(t.shape), t.stride(), t.storage_offset(),
                                      t.dtype, t.untyped_storage().nbytes(), t.requires_grad)
-    if device != "cpu":                               # CUDA and others: torch's own reducer
+    if device == "cuda" and t.layout is _strided and not t.is_nested and not t.is_quantized:
+        # by CUDA IPC, with leases
+        from . import cuda
+        return cuda.reduce_torch_tensor(t)
+    if device != "cpu":                               # others: torch's own reducer
         return _torch_reductions.reduce_tensor(t)
     if t.is_nested:
         return rebuild_nested_tensor, (t.values(), t._nested_tensor_size(),

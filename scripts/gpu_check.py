@@ -1,0 +1,356 @@
+"""The GPU check of sharedmp's CUDA path: one run, under 5 minutes, on one GPU.
+
+    PYTHONPATH=src timeout 300 python scripts/gpu_check.py [--quick] [--json FILE]
+
+Prints one ``PASS``/``FAIL``/``SKIP`` line per check with its figures, then the CUDA
+bench rows. Every check runs in spawned processes with timeouts; a check that hangs
+is killed and reported FAIL. Results are appended to ``--json`` as they come, so a
+killed run keeps what it had. Exit status 1 if any check failed.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+T = 60                                    # seconds for any get/join in a check
+
+
+# ---------------------------------------------------------------------------- child targets
+
+def _roundtrip_child(q_in, q_out):
+    import torch
+    xs = q_in.get(timeout=T)
+    with torch.no_grad():                 # writes visible in the sender
+        for x in xs:
+            if x.numel() and x.dtype != torch.bool and x.is_contiguous():
+                x.view(-1)[0:1].fill_(7)
+    torch.cuda.synchronize()
+    q_out.put([x.data_ptr() for x in xs] + [xs[0].untyped_storage().data_ptr()])
+    q_out.put(xs[0])                       # sent back: the sender's own storage
+    q_in.get(timeout=T)
+
+
+def _cupy_child(q_in, q_out):
+    import cupy
+    import sharedmp  # noqa: F401
+    a, b = q_in.get(timeout=T)
+    a[0] = 42
+    cupy.cuda.get_current_stream().synchronize()
+    q_out.put((float(b.sum()), b.strides, a.data.ptr != 0))
+    q_in.get(timeout=T)
+
+
+def _chain_middle(q_in, q_out, n_msgs):
+    import sharedmp  # noqa: F401
+    for _ in range(n_msgs):
+        q_out.put(q_in.get(timeout=T))
+
+
+def _chain_end(q_in, q_out, n_msgs):
+    import torch
+    import sharedmp  # noqa: F401
+    total = 0.0
+    for _ in range(n_msgs):
+        batch = q_in.get(timeout=T)
+        total += float(sum(t.sum() for t in batch))
+        del batch
+    q_out.put(total)
+
+
+def _event_child(q_in, q_out):
+    import torch
+    import sharedmp  # noqa: F401
+    t = q_in.get(timeout=T)
+    q_out.put(float(t.sum()))             # no host sync before: the event orders it
+    del t
+    q_in.get(timeout=T)
+
+
+def _early_exit_child(q, kill):
+    import os
+    import signal
+    import torch
+    import sharedmp  # noqa: F401
+    t = torch.ones(1024, device="cuda")
+    q.put(t)
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    del t                                 # exit normally: waits for the receiver (bounded)
+
+
+# ---------------------------------------------------------------------------- checks
+
+def check_env(r):
+    import torch
+    from sharedmp.cuda import driver
+    out = {"python": platform.python_version(), "kernel": platform.release(),
+           "torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    try:
+        out["nvidia-smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                           timeout=20).stdout.strip()
+    except Exception as e:
+        out["nvidia-smi"] = repr(e)
+    try:
+        import cupy
+        out["cupy"] = cupy.__version__
+    except ImportError:
+        out["cupy"] = None
+    why = driver.available()
+    out["driver"] = why or f"ok, version {driver.get().version}"
+    if why is None:
+        d = driver.get()
+        out["ipc_events"] = [d.ipc_events_supported(i) for i in range(len(d._uuids))]
+    r.update(out)
+    return why is None and torch.cuda.is_available()
+
+
+def check_torch_roundtrip(r):
+    import torch
+    import sharedmp as mp
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    base = torch.zeros(64, 4, device="cuda")
+    xs = [base, base[:, 1], torch.zeros(8, dtype=torch.bfloat16, device="cuda"),
+          torch.zeros(8, dtype=torch.int8, device="cuda"), torch.zeros(8, dtype=torch.bool, device="cuda"),
+          torch.zeros(4, dtype=torch.complex64, device="cuda"), torch.tensor(3.0, device="cuda"),
+          torch.empty(0, device="cuda"), torch.nn.Parameter(torch.zeros(5, device="cuda"))]
+    p = ctx.Process(target=_roundtrip_child, args=(q_in, q_out))
+    p.start()
+    try:
+        q_in.put(xs)
+        ptrs = q_out.get(timeout=T)
+        back = q_out.get(timeout=T)
+        torch.cuda.synchronize()
+        r["child_ptrs_differ"] = ptrs[0] != base.data_ptr()
+        r["write_seen"] = float(base[0, 0]) == 7.0 and float(xs[2][0]) == 7.0
+        r["back_same_storage"] = back.untyped_storage() is base.untyped_storage()
+        q_in.put("done")
+        p.join(T)
+        return r["write_seen"] and r["back_same_storage"] and p.exitcode == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def check_cupy_roundtrip(r):
+    try:
+        import cupy
+    except ImportError:
+        r["skip"] = "cupy not installed"
+        return None
+    import sharedmp as mp
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    a = cupy.zeros(16, dtype=cupy.float32)
+    b = cupy.arange(10, dtype=cupy.float64)[::-1]           # negative strides
+    p = ctx.Process(target=_cupy_child, args=(q_in, q_out))
+    p.start()
+    try:
+        q_in.put((a, b))
+        total, strides, _ = q_out.get(timeout=T)
+        r["sum"], r["strides"], r["write_seen"] = total, strides, float(a[0]) == 42.0
+        q_in.put("done")
+        p.join(T)
+        return total == 45.0 and strides == b.strides and r["write_seen"]
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def check_one_block_mixed(r):
+    import torch
+    import sharedmp as mp
+    from sharedmp.cuda import driver
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    dtypes = [torch.float32, torch.int64, torch.float16, torch.uint8]
+    ts = [torch.full((17 + i,), i, dtype=dtypes[i % 4], device="cuda") for i in range(64)]
+    d = driver.get()
+    bases = {d.export(0, t.data_ptr())[0] for t in ts}
+    r["blocks"] = len(bases)
+    p = ctx.Process(target=_chain_end, args=(q_in, q_out, 1))
+    p.start()
+    try:
+        q_in.put(ts)
+        total = q_out.get(timeout=T)
+        r["sum"] = total
+        want = float(sum(i * (17 + i) for i in range(64)))
+        p.join(T)
+        return total == want
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def check_chain_many(r, n_total):
+    import torch
+    import sharedmp as mp
+    from sharedmp.cuda import ipc
+    ctx = mp.get_context("spawn")
+    q1, q2, q3 = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    n_msgs = 10
+    per = n_total // n_msgs
+    mid = ctx.Process(target=_chain_middle, args=(q1, q2, n_msgs))
+    end = ctx.Process(target=_chain_end, args=(q2, q3, n_msgs))
+    mid.start()
+    end.start()
+    before = torch.cuda.memory_allocated()
+    try:
+        t0 = time.perf_counter()
+        want = 0.0
+        for m in range(n_msgs):
+            batch = [torch.full((16,), float(m * per + i), device="cuda") for i in range(per)]
+            want += 16.0 * sum(m * per + i for i in range(per))
+            q1.put(batch)
+            del batch
+        total = q3.get(timeout=T * 2)
+        r["seconds"] = time.perf_counter() - t0
+        r["tensors_per_s"] = n_total / r["seconds"]
+        r["sum_ok"] = total == want
+        mid.join(T)
+        end.join(T)
+        exp = ipc.exporter()
+        r["live_events"] = exp.live_events
+        deadline = time.monotonic() + 10
+        while exp.server.outstanding() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r["leases_left"] = exp.server.outstanding()
+        torch.cuda.empty_cache()
+        r["memory_back"] = torch.cuda.memory_allocated() <= before
+        return r["sum_ok"] and r["leases_left"] == 0 and r["live_events"] <= ipc.MAX_EVENTS
+    finally:
+        for p in (mid, end):
+            if p.is_alive():
+                p.kill()
+
+
+def check_event_order(r):
+    import torch
+    import sharedmp as mp
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_event_child, args=(q_in, q_out))
+    p.start()
+    try:
+        n = 1 << 20
+        t = torch.zeros(n, device="cuda")
+        torch.cuda._sleep(2_000_000_000)          # about a second of GPU time, queued first
+        t.fill_(42)                               # then the write, on the same stream
+        q_in.put(t)                               # no synchronize: only the event orders it
+        total = q_out.get(timeout=T)
+        r["sum"], r["want"] = total, 42.0 * n
+        q_in.put("done")
+        p.join(T)
+        return total == 42.0 * n
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def check_sender_exits(r):
+    import sharedmp as mp
+    ctx = mp.get_context("spawn")
+    out = {}
+    for kill in (False, True):
+        q = ctx.Queue()
+        env_before = os.environ.get("SHAREDMP_CUDA_EXIT_TIMEOUT")
+        os.environ["SHAREDMP_CUDA_EXIT_TIMEOUT"] = "3"
+        p = ctx.Process(target=_early_exit_child, args=(q, kill))
+        p.start()
+        try:
+            t0 = time.monotonic()
+            try:
+                t = q.get(timeout=T)
+                got = float(t.sum())
+                out[f"kill={kill}"] = f"received, sum {got}"
+                del t
+            except Exception as e:
+                out[f"kill={kill}"] = f"raised {type(e).__name__}: {e}"[:200]
+            p.join(T)
+            out[f"kill={kill} seconds"] = round(time.monotonic() - t0, 2)
+        finally:
+            if env_before is None:
+                os.environ.pop("SHAREDMP_CUDA_EXIT_TIMEOUT", None)
+            else:
+                os.environ["SHAREDMP_CUDA_EXIT_TIMEOUT"] = env_before
+            if p.is_alive():
+                p.kill()
+    r.update(out)
+    return out["kill=False"] == "received, sum 1024.0"
+
+
+def check_fork_guard(r):
+    code = ("import torch, sharedmp as mp\n"
+            "torch.zeros(1, device='cuda')\n"
+            "try:\n"
+            "    mp.get_context('fork').Process(target=print).start()\n"
+            "except RuntimeError as e:\n"
+            "    print('raised:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=T,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    r["torch"] = out.stdout.strip()[:160]
+    ok = "raised:" in out.stdout and "spawn" in out.stdout
+    try:
+        import cupy  # noqa: F401
+        code = code.replace("import torch,", "import cupy,").replace(
+            "torch.zeros(1, device='cuda')", "cupy.zeros(1)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=T,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        r["cupy"] = out.stdout.strip()[:160]
+        ok = ok and "raised:" in out.stdout
+    except ImportError:
+        r["cupy"] = "not installed"
+    return ok
+
+
+def check_bench(r, quick):
+    from sharedmp.cli import bench_cuda
+    rep = bench_cuda.run(quick, timeout=120)
+    r["table"] = bench_cuda.format_rows(rep)
+    r.update(rep)
+    return "rows" in rep and all("msgs" in s for row in rep["rows"].values() for s in row.values())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1,000 tensors in the chain, small bench")
+    ap.add_argument("--json", default=None, help="append one JSON line per check to this file")
+    args = ap.parse_args()
+    checks = [("env", check_env), ("torch_roundtrip", check_torch_roundtrip),
+              ("cupy_roundtrip", check_cupy_roundtrip), ("one_block_mixed", check_one_block_mixed),
+              ("chain_of_three", lambda r: check_chain_many(r, 1000 if args.quick else 10000)),
+              ("event_order", check_event_order), ("sender_exits", check_sender_exits),
+              ("fork_guard", check_fork_guard), ("bench", lambda r: check_bench(r, args.quick))]
+    failed = False
+    for name, fn in checks:
+        r, t0 = {}, time.monotonic()
+        try:
+            ok = fn(r)
+        except Exception:
+            ok, r["error"] = False, traceback.format_exc()[-1500:]
+        r["seconds"] = round(time.monotonic() - t0, 2)
+        status = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+        failed |= status == "FAIL"
+        table = r.pop("table", None)
+        print(f"{status} {name}: {json.dumps(r, default=str)[:1500]}", flush=True)
+        if table:
+            print(table, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"check": name, "status": status, **r}, default=str) + "\n")
+        if name == "env" and not ok:
+            print("FAIL: no usable GPU; the other checks need one", flush=True)
+            return 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The CUDA rows of ``python -m sharedmp bench``: sharedmp against torch.multiprocessing's
+CUDA sharing, in one run, when a GPU is there (skipped with the reason otherwise).
+
+C1: 2,000 fresh float32[256] CUDA tensors, one per message. C2: 100 fresh 16 MiB CUDA
+tensors, one per message. Each system runs as a consumer (this file run as a script,
+in a fresh process) and a spawned producer; the consumer reads one element of each
+tensor (a device sync) and drops it. The figure is the best of the timed rounds after
+a warm-up round. The producer stays alive until the consumer is done (torch needs it).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+MARK = "@@sharedmp-bench-cuda@@ "
+WORKLOADS = [("C1", 2000, 256, "fresh 1 KiB CUDA tensor each"),
+             ("C2", 100, 4 << 20, "fresh 16 MiB CUDA tensor each")]
+SYSTEMS = [("sharedmp", "sharedmp"), ("torch", "torch.multiprocessing")]
+
+
+def _probe():
+    """None if a GPU and cuda-bindings are usable (checked in a child), else why not."""
+    code = ("import sys, torch\n"
+            "if not torch.cuda.is_available(): sys.exit('no CUDA GPU')\n"
+            "from sharedmp.cuda import driver\n"
+            "sys.exit(driver.available())\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        return f"probe failed: {e}"
+    if r.returncode == 0:
+        return None
+    return (r.stderr.strip().splitlines() or ["probe failed"])[-1]
+
+
+def _producer(system, plan, q, go, done, timeout):
+    import torch
+    if system == "sharedmp":
+        import sharedmp  # noqa: F401  (its reducers)
+    for _, n, numel, rounds in plan:
+        for _ in range(rounds):
+            if not go.acquire(timeout=timeout):
+                return
+            q.put("start")
+            for i in range(n):
+                q.put(torch.full((numel,), float(i), device="cuda"))
+    done.wait(timeout)
+
+
+def _consumer(system, quick, timeout):
+    import torch
+    if system == "sharedmp":
+        import sharedmp
+        ctx = sharedmp.get_context("spawn")
+    else:
+        import torch.multiprocessing as tmp
+        ctx = tmp.get_context("spawn")
+    scale = 0.25 if quick else 1
+    plan = [(wid, max(10, int(n * scale)), numel, 3) for wid, n, numel, _ in WORKLOADS]
+    q, go, done = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
+    p = ctx.Process(target=_producer, args=(system, plan, q, go, done, timeout), daemon=True)
+    p.start()
+    try:
+        for wid, n, numel, rounds in plan:
+            times = []
+            for r in range(rounds):
+                go.release()
+                assert q.get(timeout=timeout) == "start"
+                t0 = time.perf_counter()
+                for i in range(n):
+                    t = q.get(timeout=timeout)
+                    if t[0].item() != float(i):
+                        raise RuntimeError(f"{wid}: tensor {i} reads {t[0].item()}")
+                    del t
+                if r:
+                    times.append(time.perf_counter() - t0)
+            best = min(times)
+            sys.stdout.write(MARK + json.dumps({"workload": wid, "n": n, "msgs": n / best,
+                                                "gbps": n * numel * 4 / best / 1e9}) + "\n")
+            sys.stdout.flush()
+    finally:
+        done.set()
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+
+
+def run(quick, timeout=600):
+    """{"skipped": reason} or {"rows": {workload: {system: figures}}}."""
+    why = _probe()
+    if why is not None:
+        return {"skipped": why}
+    rows = {}
+    for system, _ in SYSTEMS:
+        cmd = [sys.executable, os.path.abspath(__file__), system, "1" if quick else "0", str(timeout)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            out, err = r.stdout, r.stderr
+        except subprocess.TimeoutExpired as e:
+            out, err = e.stdout or "", "timeout"
+        got = [json.loads(line[len(MARK):]) for line in (out or "").splitlines() if line.startswith(MARK)]
+        for res in got:
+            rows.setdefault(res["workload"], {})[system] = res
+        for wid, *_ in WORKLOADS:
+            if system not in rows.setdefault(wid, {}):
+                rows[wid][system] = {"error": (err or "").strip().splitlines()[-1:] or ["no result"]}
+    return {"rows": rows}
+
+
+def format_rows(report):
+    """The CUDA section of the table."""
+    if "skipped" in report:
+        return f"CUDA rows: skipped ({report['skipped']})"
+    lines = ["CUDA (spawn)                             sharedmp msg/s   torch msg/s   ratio"]
+    for wid, _, _, title in WORKLOADS:
+        row = report["rows"].get(wid, {})
+        a, b = row.get("sharedmp", {}).get("msgs"), row.get("torch", {}).get("msgs")
+        cell = lambda v: f"{v:>14,.0f}" if v else f"{'error':>14}"   # noqa: E731
+        ratio = f"{a / b:>6.2f}x" if a and b else "   n/a"
+        lines.append(f"{wid} {title:<36} {cell(a)} {cell(b)}  {ratio}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    if sys.path and os.path.abspath(sys.path[0] or ".") == here:
+        del sys.path[0]
+    _consumer(sys.argv[1], sys.argv[2] == "1", float(sys.argv[3]))

@@ -1,0 +1,400 @@
+"""CUDA memory on the wire: the descriptor, the sender's exports, the receiver's mappings.
+
+Framework-neutral: regions are (device ordinal, pointer, nbytes); ``reductions/cuda.py``
+turns torch tensors and CuPy arrays into regions and back. The driver is passed in
+(``driver.Driver`` in real use), so this bookkeeping runs on CPU with a stand-in.
+
+Sender (``Exporter.export``): the allocation (cudaMalloc block) holding the region, its
+IPC handle (cached by the allocation's BUFFER_ID, never reused), the region's offset in
+it, an interprocess event recorded on the current stream (one per stream per message;
+past ``MAX_EVENTS`` live events, or where the device has no IPC events, the stream is
+synchronised instead and no event is sent), and a lease holding the sender's object
+and the event until the receiver releases it (``lease``).
+
+Receiver (``Importer.open``): CLAIM the lease first (a sender that has exited fails
+here, before any CUDA call), map the device UUID to a local device, open each block
+once per process (CUDA allows one context per device per other process to open it;
+every array over it shares that mapping, counted), make the current stream wait for
+the event. The framework object keeps a *holder*; when the holder dies, its finalizer
+records an event on the current stream and a releaser thread waits for it, closes the
+block at its last holder, then RELEASEs the lease. Finalizers at interpreter shutdown
+make no CUDA call.
+
+Forwarding: a receiver may send what it received on (a chain of processes). The
+descriptor keeps the owner's block handle; the lease is the forwarder's, holding its
+own mapping (which holds its lease with the owner). Received back in the owner's own
+process, the region is the owner's original object (a process cannot open its own
+handle).
+"""
+import os
+import queue
+import secrets
+import sys
+import threading
+import warnings
+import weakref
+
+from ..channels import fdpass
+from ..errors import ProtocolError
+from . import lease as _lease
+
+VERSION = 1
+KIND = "legacy-ipc"
+MAX_EVENTS = 1000                 # live interprocess events per sender (torch's cap too)
+_ADDRESS_PREFIX = b"\0sharedmp-cuda-"
+_nonce = secrets.token_bytes(16)  # this process, in descriptors (pids are reused)
+
+
+def nonce():
+    return _nonce
+
+
+# ---------------------------------------------------------------------------------------
+# The descriptor: one region of one block, as a tuple of plain values on the wire.
+# ---------------------------------------------------------------------------------------
+
+class Descriptor:
+    """Where a region lives (owner, device, block handle, offset) and its lease."""
+
+    __slots__ = ("owner_pid", "owner", "lease", "token", "uuid", "ordinal", "handle",
+                 "block_size", "offset", "nbytes", "event")
+    FIELDS = __slots__
+
+    def __init__(self, owner_pid, owner, lease, token, uuid, ordinal, handle, block_size,
+                 offset, nbytes, event):
+        self.owner_pid, self.owner, self.lease, self.token = owner_pid, owner, lease, token
+        self.uuid, self.ordinal, self.handle, self.block_size = uuid, ordinal, handle, block_size
+        self.offset, self.nbytes, self.event = offset, nbytes, event
+
+    def encode(self):
+        """The wire form: (version, kind, fields...)."""
+        return (VERSION, KIND) + tuple(getattr(self, f) for f in self.FIELDS)
+
+    @classmethod
+    def decode(cls, wire):
+        """A Descriptor from its wire form; ProtocolError naming what is wrong."""
+        if not isinstance(wire, tuple) or len(wire) < 2:
+            raise ProtocolError(f"a CUDA array descriptor must be a tuple, got {type(wire).__name__}")
+        if wire[0] != VERSION or wire[1] != KIND:
+            raise ProtocolError(f"CUDA array descriptor {wire[:2]!r} not understood (this sharedmp "
+                                f"reads version {VERSION}, {KIND!r}): run the same sharedmp version "
+                                "in every process")
+        if len(wire) != 2 + len(cls.FIELDS):
+            raise ProtocolError(f"a CUDA array descriptor has {len(cls.FIELDS)} fields, got {len(wire) - 2}")
+        d = cls(*wire[2:])
+        d._check()
+        return d
+
+    def _check(self):
+        def bad(field, want):
+            raise ProtocolError(f"CUDA array descriptor: {field} must be {want}, got "
+                                f"{getattr(self, field)!r:.80}: the message is corrupt or hostile")
+        for f in ("owner_pid", "ordinal", "block_size", "offset", "nbytes"):
+            if type(getattr(self, f)) is not int or getattr(self, f) < 0:
+                bad(f, "an int >= 0")
+        for f, n in (("owner", 16), ("token", 16), ("uuid", 16), ("handle", 64)):
+            if type(getattr(self, f)) is not bytes or len(getattr(self, f)) != n:
+                bad(f, f"{n} bytes")
+        if self.event is not None and (type(self.event) is not bytes or len(self.event) != 64):
+            bad("event", "None or 64 bytes")
+        if type(self.lease) is not bytes or not self.lease.startswith(_ADDRESS_PREFIX) \
+                or len(self.lease) > 108:
+            bad("lease", "a sharedmp lease server address")
+        if self.nbytes == 0 or self.offset + self.nbytes > self.block_size:
+            bad("nbytes", f"> 0 and fit in the block of {self.block_size} bytes from offset {self.offset}")
+
+
+# ---------------------------------------------------------------------------------------
+# Sender
+# ---------------------------------------------------------------------------------------
+
+class _Event:
+    """An interprocess event and how many outstanding leases were sent with it."""
+
+    __slots__ = ("ordinal", "event", "handle", "users")
+
+    def __init__(self, ordinal, event, handle):
+        self.ordinal, self.event, self.handle, self.users = ordinal, event, handle, 0
+
+
+class Exporter:
+    """The sender's side: regions -> descriptors, each with a lease on ``server``."""
+
+    def __init__(self, driver, server):
+        self.driver = driver
+        self.server = server
+        server.on_release = self._released
+        self._blocks = {}             # (ordinal, buffer id) -> (base, size, handle)
+        self._home = {}               # (handle, offset, nbytes) -> [object, leases]
+        self._free = {}               # ordinal -> [_Event] ready to be recorded again
+        self.live_events = 0          # created and not destroyed
+        self._memo = (None, {})       # (message being pickled, {(ordinal, stream): _Event})
+        self._lock = threading.Lock()
+
+    def _block(self, ordinal, ptr):
+        key = (ordinal, self.driver.buffer_id(ordinal, ptr))
+        block = self._blocks.get(key)
+        if block is None:
+            if len(self._blocks) >= 4096:      # ids are never reused: old ones only go stale
+                self._blocks.clear()
+            block = self._blocks[key] = self.driver.export(ordinal, ptr)
+        return block
+
+    def _event(self, ordinal, stream):
+        """The event recorded for this message on (ordinal, stream), or None after a sync."""
+        oob = fdpass.current()            # None outside sharedmp's channels: no memo
+        memo_oob, memo = self._memo
+        if oob is not None and oob is memo_oob and (ordinal, stream) in memo:
+            return memo[ordinal, stream]
+        if oob is not memo_oob:
+            memo = {}
+            self._memo = (oob, memo) if oob is not None else (None, {})
+        free = self._free.get(ordinal)
+        if free:
+            ev = free.pop()
+        elif self.live_events < MAX_EVENTS and self.driver.ipc_events_supported(ordinal):
+            ev = _Event(ordinal, *self.driver.new_event(ordinal))
+            self.live_events += 1
+        else:
+            self.driver.sync_stream(ordinal, stream)     # everything before put() is done
+            if oob is not None:
+                memo[ordinal, stream] = None
+            return None
+        self.driver.record(ordinal, ev.event, stream)
+        if oob is not None:
+            memo[ordinal, stream] = ev
+        return ev
+
+    def export(self, ordinal, ptr, nbytes, stream, obj):
+        """The Descriptor of ``nbytes`` at device pointer ``ptr``; ``obj`` (what keeps that
+        memory alive here) is held until the receiver releases it."""
+        with self._lock:
+            base, size, handle = self._block(ordinal, ptr)
+            offset = ptr - base
+            if not 0 <= offset <= size - nbytes:
+                raise RuntimeError(f"CUDA region {ptr:#x}+{nbytes} is not inside its allocation "
+                                   f"{base:#x}+{size}")
+            ev = self._event(ordinal, stream)
+            if ev is not None:
+                ev.users += 1
+            home = self._home.setdefault((handle, offset, nbytes), [obj, 0])
+            home[1] += 1
+            token = _lease.new_token()
+            self.server.add(token, (obj, ev, (handle, offset, nbytes)))
+        return Descriptor(os.getpid(), _nonce, self.server.address, token,
+                          self.driver.device_uuid(ordinal), ordinal, handle, size, offset, nbytes,
+                          None if ev is None else ev.handle)
+
+    def forward(self, holder, stream):
+        """A received region sent on: the owner's block, with our event (our writes) and a
+        lease of ours holding ``holder`` (so our mapping, and our lease with the owner)."""
+        d = holder.descriptor
+        with self._lock:
+            ev = self._event(holder.ordinal, stream)
+            if ev is not None:
+                ev.users += 1
+            token = _lease.new_token()
+            self.server.add(token, (holder, ev, None))
+        return Descriptor(d.owner_pid, d.owner, self.server.address, token, d.uuid, d.ordinal,
+                          d.handle, d.block_size, d.offset, d.nbytes,
+                          None if ev is None else ev.handle)
+
+    def release_own(self, d):
+        """Drop the lease of a descriptor that came back to this process unclaimed."""
+        return self.server.drop(d.token)
+
+    def home(self, d):
+        """The original object of a region this process exported, or None."""
+        with self._lock:
+            entry = self._home.get((d.handle, d.offset, d.nbytes))
+        return None if entry is None else entry[0]
+
+    def _released(self, holds):
+        obj, ev, key = holds
+        with self._lock:
+            if key is not None:
+                entry = self._home.get(key)
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        del self._home[key]
+            if ev is not None:
+                ev.users -= 1
+                if ev.users == 0:
+                    self._free.setdefault(ev.ordinal, []).append(ev)
+        del obj                          # the sender's reference: the memory may go now
+
+
+# ---------------------------------------------------------------------------------------
+# Receiver
+# ---------------------------------------------------------------------------------------
+
+class _Mapping:
+    __slots__ = ("ordinal", "ptr", "holders")
+
+    def __init__(self, ordinal, ptr):
+        self.ordinal, self.ptr, self.holders = ordinal, ptr, 0
+
+
+class Holder:
+    """Kept alive by the framework objects over one received region; its death releases it."""
+
+    __slots__ = ("descriptor", "ptr", "ordinal", "__weakref__")
+
+    def __init__(self, descriptor, ptr, ordinal):
+        self.descriptor, self.ptr, self.ordinal = descriptor, ptr, ordinal
+
+
+class Importer:
+    """The receiver's side: descriptors -> holders over blocks opened once, released by GC."""
+
+    def __init__(self, driver, client):
+        self.driver = driver
+        self.client = client
+        self._maps = {}               # (owner nonce, handle) -> _Mapping
+        self._views = {}              # (owner, handle, offset, nbytes, kind) -> weakref
+        self._lock = threading.Lock()
+        self._regions = {}            # (ordinal, ptr, nbytes) -> weakref to its Holder
+        self._releases = queue.SimpleQueue()
+        self._thread = None
+        self.opened = 0               # blocks opened (cuIpcOpenMemHandle) so far
+
+    def cached(self, d, kind):
+        """The live object remembered for this region and kind (identity), or None; on a hit
+        the new lease is released at once."""
+        ref = self._views.get((d.owner, d.handle, d.offset, d.nbytes, kind))
+        obj = ref() if ref is not None else None
+        if obj is not None:
+            self.client.claim(d.lease, d.token)
+            self.client.release(d.lease, d.token)
+        return obj
+
+    def remember(self, d, kind, obj):
+        key = (d.owner, d.handle, d.offset, d.nbytes, kind)
+        self._views[key] = weakref.ref(obj, lambda _, key=key: self._views.pop(key, None))
+
+    def open(self, d, stream_of):
+        """A Holder over the region of ``d``, ready to use on the stream ``stream_of(ordinal)``
+        returns; its death (every object over it gone) releases the region."""
+        self.client.claim(d.lease, d.token)          # fails first if the sender is gone
+        try:
+            ordinal = self.driver.local_ordinal(d.uuid)
+            if ordinal is None:
+                raise RuntimeError(f"a CUDA array arrived from device {d.uuid.hex()} (ordinal "
+                                   f"{d.ordinal} in process {d.owner_pid}), which is not visible "
+                                   "here: check CUDA_VISIBLE_DEVICES of both processes")
+            key = (d.owner, d.handle)
+            with self._lock:
+                m = self._maps.get(key)
+                if m is None:
+                    m = _Mapping(ordinal, self.driver.open(ordinal, d.handle))
+                    self._maps[key] = m
+                    self.opened += 1
+                m.holders += 1
+            try:
+                if d.event is not None:
+                    self.driver.wait_event(ordinal, d.event, stream_of(ordinal))
+            except BaseException:
+                self._unmap(key)
+                raise
+        except BaseException:
+            self.client.release(d.lease, d.token)
+            raise
+        holder = Holder(d, m.ptr + d.offset, ordinal)
+        region = (ordinal, holder.ptr, d.nbytes)
+        self._regions[region] = weakref.ref(holder)
+        f = weakref.finalize(holder, self._finalized, d, key, ordinal, stream_of, region)
+        f.atexit = False                              # no CUDA calls at interpreter shutdown
+        return holder
+
+    def received(self, ordinal, ptr, nbytes):
+        """The live Holder of a region received here (to forward it), or None."""
+        ref = self._regions.get((ordinal, ptr, nbytes))
+        return ref() if ref is not None else None
+
+    def _finalized(self, d, key, ordinal, stream_of, region):
+        # Runs where the last view died (any thread). Only records an event: the wait, the
+        # close and the RELEASE happen in the releaser thread.
+        ref = self._regions.get(region)
+        if ref is not None and ref() is None:
+            self._regions.pop(region, None)
+        if sys.is_finalizing():
+            return
+        try:
+            ev = self.driver.mark(ordinal, stream_of(ordinal))
+        except Exception:
+            ev = None                                 # (a dead context: release anyway)
+        self._releases.put((d, key, ordinal, ev))
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._releaser, daemon=True,
+                                                    name="sharedmp-cuda-release")
+                    self._thread.start()
+
+    def _releaser(self):
+        while True:
+            d, key, ordinal, ev = self._releases.get()
+            try:
+                if ev is not None:
+                    self.driver.finish(ordinal, ev)   # our work on that memory is done
+            except Exception as e:
+                warnings.warn(f"sharedmp: waiting for work on a received CUDA array failed: {e!r}",
+                              RuntimeWarning)
+            self._unmap(key)
+            self.client.release(d.lease, d.token)
+
+    def _unmap(self, key):
+        with self._lock:
+            m = self._maps[key]
+            m.holders -= 1
+            if m.holders:
+                return
+            del self._maps[key]
+            try:
+                self.driver.close(m.ordinal, m.ptr)
+            except Exception as e:
+                warnings.warn(f"sharedmp: closing a received CUDA block failed: {e!r}", RuntimeWarning)
+
+    def mappings(self):
+        """{(owner, handle): holders} of the blocks open now."""
+        with self._lock:
+            return {k: m.holders for k, m in self._maps.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# The process's exporter and importer, over the real driver.
+# ---------------------------------------------------------------------------------------
+
+_exporter = _importer = None
+_lock = threading.Lock()
+
+
+def exporter():
+    global _exporter
+    if _exporter is None:
+        from . import driver
+        with _lock:
+            if _exporter is None:
+                _exporter = Exporter(driver.get(), _lease.server())
+    return _exporter
+
+
+def importer():
+    global _importer
+    if _importer is None:
+        from . import driver
+        with _lock:
+            if _importer is None:
+                _importer = Importer(driver.get(), _lease.client())
+    return _importer
+
+
+def _after_fork_in_child():
+    global _exporter, _importer, _lock, _nonce
+    _exporter = _importer = None
+    _lock = threading.Lock()
+    _nonce = secrets.token_bytes(16)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

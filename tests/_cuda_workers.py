@@ -1,0 +1,268 @@
+"""Child-process side of the CUDA tests that run without a GPU.
+
+No GPU here, so the driver is a stand-in (``FakeDriver``: pointers are ints, handles
+encode the owner's pid and block) -- the one fake of the suite. Everything else is
+real: sharedmp's Exporter/Importer bookkeeping and ``reductions/cuda`` forwarding and
+homecoming logic, the lease servers and clients on real sockets, real processes and
+queues. ``DevArray`` stands in for a framework's array over device memory, with a
+reducer that goes through ``reductions.cuda._export`` / ``_home`` like torch and CuPy.
+"""
+import gc
+import os
+import signal
+import struct
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+from sharedmp.channels import connection
+from sharedmp.cuda import ipc, lease
+from sharedmp.reductions import cuda as rc
+
+from _workers import TIMEOUT, _guard
+
+MiB = 1 << 20
+UUID0 = b"GPU-fake-uuid-0\x00"
+STREAM = 7
+
+
+class FakeDriver:
+    """The driver interface of ``sharedmp.cuda.driver.Driver``, with counters instead of a GPU."""
+
+    HANDLE_SIZE = 64
+
+    def __init__(self):
+        self.exports = 0          # cuIpcGetMemHandle calls
+        self.events = 0           # interprocess events created
+        self.records = 0
+        self.syncs = 0
+        self.waits = 0
+        self.open_handles = {}    # handle -> ptr (open now)
+        self.opens = 0
+        self.closes = 0
+        self._next = 0x7F00_0000_0000
+
+    def device_uuid(self, ordinal):
+        return UUID0[:-1] + bytes([ordinal])
+
+    def local_ordinal(self, uuid):
+        return uuid[-1] if uuid[:-1] == UUID0[:-1] else None
+
+    def ipc_events_supported(self, ordinal):
+        return True
+
+    def buffer_id(self, ordinal, ptr):
+        return ptr // MiB                             # blocks of 1 MiB
+
+    def export(self, ordinal, ptr):
+        self.exports += 1
+        base = ptr - ptr % MiB
+        return base, MiB, struct.pack("<qQQ", os.getpid(), base, MiB).ljust(64, b"\0")
+
+    def new_event(self, ordinal):
+        self.events += 1
+        return object(), struct.pack("<qQ", os.getpid(), self.events).ljust(64, b"E")
+
+    def record(self, ordinal, event, stream):
+        self.records += 1
+
+    def sync_stream(self, ordinal, stream):
+        self.syncs += 1
+
+    def destroy_event(self, ordinal, event):
+        pass
+
+    def open(self, ordinal, handle):
+        pid = struct.unpack_from("<q", handle)[0]
+        if pid == os.getpid():
+            raise RuntimeError("cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_CONTEXT (own handle)")
+        if handle in self.open_handles:               # sharedmp must open each block once
+            raise RuntimeError("cuIpcOpenMemHandle: handle opened twice in this process")
+        self.opens += 1
+        self._next += 16 * MiB
+        self.open_handles[handle] = self._next
+        return self._next
+
+    def close(self, ordinal, ptr):
+        for h, p in list(self.open_handles.items()):
+            if p == ptr:
+                del self.open_handles[h]
+                self.closes += 1
+                return
+        raise RuntimeError("cuIpcCloseMemHandle of a pointer that is not open")
+
+    def wait_event(self, ordinal, handle, stream):
+        self.waits += 1
+
+    def mark(self, ordinal, stream):
+        return "mark"
+
+    def finish(self, ordinal, event):
+        pass
+
+
+class DevArray:
+    """A stand-in array over device memory [ptr, ptr + nbytes)."""
+
+    def __init__(self, ptr, nbytes, holder=None):
+        self.ptr, self.nbytes, self.holder = ptr, nbytes, holder
+
+
+def reduce_dev(a):
+    return rebuild_dev, (rc._export(0, a.ptr, a.nbytes, STREAM, a),)
+
+
+def rebuild_dev(wire):
+    d = ipc.Descriptor.decode(wire)
+    home = rc._home(d)
+    if home is not None:
+        return home
+    imp = ipc.importer()
+    holder = imp.cached(d, "dev")
+    if holder is None:
+        holder = imp.open(d, lambda ordinal: STREAM)
+        imp.remember(d, "dev", holder)
+    return DevArray(holder.ptr, d.nbytes, holder)
+
+
+def install():
+    """Use the fake driver in this process (real lease server and client)."""
+    driver = FakeDriver()
+    ipc._exporter = ipc.Exporter(driver, lease.server())
+    ipc._importer = ipc.Importer(driver, lease.client())
+    ForkingPickler.register(DevArray, reduce_dev)
+    connection.reducers_changed()
+    return driver
+
+
+def wait_until(cond, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        gc.collect()
+        time.sleep(0.02)
+    return True
+
+
+def _wait(event, what):
+    if not event.wait(TIMEOUT):
+        raise TimeoutError(f"did not {what}")
+
+
+# -- process targets ---------------------------------------------------------------------
+
+def produce(conn, q, go, n_extra=0):
+    """Send [a, b, c] (a and b in one block), then report lease counts until all are released."""
+    def run():
+        driver = install()
+        a = DevArray(5 * MiB + 256, 1024)
+        b = DevArray(5 * MiB + 4096, 512)             # the same block as a
+        c = DevArray(9 * MiB, 2048)
+        q.put([a, b, c])
+        for i in range(n_extra):
+            q.put(DevArray(20 * MiB + 64 * i, 64))
+        server = ipc.exporter().server
+        sent = server.outstanding()
+        _wait(go, "get go")
+        # the n_extra arrays are never received in the tests: they stay pending
+        released = wait_until(lambda: server.outstanding() == n_extra)
+        pending = len(server.pending())
+        for token, _ in server.pending():
+            server.drop(token)                        # explicitly, so that exit need not wait
+        return {"sent": sent, "pending": pending, "exports": driver.exports, "events": driver.events,
+                "records": driver.records, "released": released, "ignored": server.ignored,
+                "home_left": len(ipc.exporter()._home), "free_events": sum(map(len, ipc.exporter()._free.values()))}
+    _guard(conn, run)
+
+
+def consume(conn, q, done, hold=False, twice_q=None):
+    """Get [a, b, c]; report the mappings; drop them (or hold them until killed)."""
+    def run():
+        driver = install()
+        a, b, c = q.get(timeout=TIMEOUT)
+        imp = ipc.importer()
+        info = {"opens": driver.opens, "waits": driver.waits, "b_minus_a": b.ptr - a.ptr,
+                "same_holder_block": imp.mappings()}
+        info["same_holder_block"] = sorted(info["same_holder_block"].values())
+        if twice_q is not None:
+            a2 = twice_q.get(timeout=TIMEOUT)
+            info["twice_same_holder"] = a2.holder is a.holder
+            del a2
+        if hold:
+            conn.send(("holding", info))
+            time.sleep(TIMEOUT)                       # killed by the test
+        del a, b, c
+        info["unmapped"] = wait_until(lambda: not imp.mappings())
+        info["closes"] = driver.closes
+        return info
+    _guard(conn, run)
+
+
+def forward(conn, q_in, q_out, done):
+    """The middle of a chain: get arrays, send them on, drop ours, stay until ``done``."""
+    def run():
+        driver = install()
+        got = q_in.get(timeout=TIMEOUT)
+        q_out.put(got)
+        info = {"opens": driver.opens}
+        del got
+        gc.collect()
+        _wait(done, "get done")
+        info["unmapped"] = wait_until(lambda: not ipc.importer().mappings())
+        info["outstanding"] = ipc.exporter().server.outstanding()
+        return info
+    _guard(conn, run)
+
+
+def end_of_chain(conn, q, owner_pid):
+    """The end of a chain: the arrays' owner is the first process, the lease the middle one's."""
+    def run():
+        driver = install()
+        got = q.get(timeout=TIMEOUT)
+        d = got[0].holder.descriptor
+        info = {"owner_is_first": d.owner_pid == owner_pid, "lease_is_owner": d.owner_pid == os.getpid(),
+                "opens": driver.opens, "events_waited": driver.waits}
+        del got, d
+        info["unmapped"] = wait_until(lambda: not ipc.importer().mappings())
+        return info
+    _guard(conn, run)
+
+
+def send_back(conn, q_in, q_out, done):
+    """Get an array and send it back to its owner."""
+    def run():
+        install()
+        a = q_in.get(timeout=TIMEOUT)
+        q_out.put(a)
+        del a
+        _wait(done, "get done")
+        return wait_until(lambda: ipc.exporter().server.outstanding() == 0)
+    _guard(conn, run)
+
+
+def produce_and_die(q):
+    """Put an array, then die at once (no exit handlers): its lease server goes with it."""
+    install()
+    q.put(DevArray(3 * MiB, 128))
+    os._exit(0)
+
+
+def claim_and_die(conn, address, tokens):
+    """CLAIM every token on a real connection, say so, then SIGKILL ourselves."""
+    client = lease.LeaseClient()
+    for t in tokens:
+        client.claim(address, t)
+    conn.send("claimed")
+    conn.close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    # The sender-exit check: a plain interpreter (exit handlers run as for any program).
+    server = lease.server()
+    token = lease.new_token()
+    server.add(token, object())
+    sys.stdout.write(server.address.hex() + " " + token.hex() + "\n")
+    sys.stdout.flush()
+    sys.stdin.readline()                              # the test has claimed it

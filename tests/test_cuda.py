@@ -1,0 +1,456 @@
+"""CUDA arrays across processes: what runs without a GPU, and the GPU tests (skipped here).
+
+Without a GPU the CUDA driver is the one stand-in (``_cuda_workers.FakeDriver``); the
+descriptor, the sender's and receiver's bookkeeping, forwarding, the lease servers and
+clients, sockets and processes are real. The GPU itself is checked by
+``scripts/gpu_check.py`` and by the tests marked ``needs_gpu`` below.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+import sharedmp as mp
+from sharedmp.cuda import ipc, lease
+from sharedmp.errors import ProtocolError
+
+import _cuda_workers as cw
+import _workers as w
+from conftest import TIMEOUT, join_or_kill
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+
+
+def _gpu_probe():
+    """Why CUDA tests cannot run here, or None. Probed in a child: cuInit in the test
+    process would forbid the fork tests that follow."""
+    code = ("import sys\n"
+            "try:\n"
+            "    import torch\n"
+            "except ImportError:\n"
+            "    sys.exit('torch is not installed')\n"
+            "if not torch.cuda.is_available(): sys.exit('torch sees no CUDA GPU')\n"
+            "from sharedmp.cuda import driver\n"
+            "why = driver.available()\n"
+            "sys.exit(why)\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return "the GPU probe timed out"
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["probe failed"])[-1]
+
+
+NO_GPU = _gpu_probe()
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=f"no usable CUDA GPU: {NO_GPU}")
+
+
+def descriptor(**kw):
+    fields = dict(owner_pid=123, owner=b"o" * 16, lease=b"\0sharedmp-cuda-123-abc", token=b"t" * 16,
+                  uuid=b"u" * 16, ordinal=0, handle=b"h" * 64, block_size=2 << 20, offset=512,
+                  nbytes=1024, event=b"e" * 64)
+    fields.update(kw)
+    return ipc.Descriptor(**fields)
+
+
+# -- the descriptor ----------------------------------------------------------------------
+
+def test_descriptor_round_trip():
+    d = descriptor()
+    wire = d.encode()
+    assert wire[:2] == (ipc.VERSION, ipc.KIND)
+    back = ipc.Descriptor.decode(wire)
+    assert [getattr(back, f) for f in ipc.Descriptor.FIELDS] == [getattr(d, f) for f in ipc.Descriptor.FIELDS]
+    assert ipc.Descriptor.decode(descriptor(event=None).encode()).event is None
+
+
+@pytest.mark.parametrize("wire, words", [
+    ("not a tuple", "must be a tuple"),
+    ((2, ipc.KIND) + descriptor().encode()[2:], "same sharedmp version"),
+    ((1, "vmm-fd") + descriptor().encode()[2:], "same sharedmp version"),
+    (descriptor().encode()[:-1], "fields"),
+    (descriptor(handle=b"h" * 63).encode(), "handle must be 64 bytes"),
+    (descriptor(token="t" * 16).encode(), "token must be 16 bytes"),
+    (descriptor(offset=-1).encode(), "offset must be an int >= 0"),
+    (descriptor(nbytes=1.5).encode(), "nbytes must be an int"),
+    (descriptor(nbytes=0).encode(), "nbytes must be > 0"),
+    (descriptor(offset=(2 << 20) - 8).encode(), "fit in the block"),
+    (descriptor(event=b"e" * 8).encode(), "event must be None or 64 bytes"),
+    (descriptor(lease=b"/tmp/sock").encode(), "lease must be a sharedmp lease server address"),
+    (descriptor(ordinal=True).encode(), "ordinal must be an int"),
+])
+def test_malformed_descriptors_raise_protocol_error(wire, words):
+    with pytest.raises(ProtocolError, match=words):
+        ipc.Descriptor.decode(wire)
+
+
+# -- the lease server, with real sockets -----------------------------------------------
+
+@pytest.fixture
+def server():
+    released = []
+    s = lease.LeaseServer(on_release=released.append)
+    s.released = released
+    yield s
+    s.close()
+
+
+def until(cond, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_claim_release_double_release_and_foreign_release(server):
+    t1, t2 = lease.new_token(), lease.new_token()
+    server.add(t1, "one")
+    server.add(t2, "two")
+    a, b = lease.LeaseClient(), lease.LeaseClient()
+    try:
+        a.claim(server.address, t1)
+        b.release(server.address, t1)            # not b's claim: ignored
+        assert until(lambda: server.ignored == 1)
+        assert server.outstanding() == 2 and server.released == []
+        a.release(server.address, t1)
+        assert until(lambda: server.released == ["one"])
+        a.release(server.address, t1)            # twice: ignored, frees nothing else
+        a.claim(server.address, t1)              # a released token cannot be claimed again
+        assert until(lambda: server.ignored == 3)
+        assert server.outstanding() == 1 and server.released == ["one"]
+        assert [t for t, _ in server.pending()] == [t2]
+        assert server.drop(t2) and server.released == ["one", "two"]
+        assert not server.drop(t2) and server.wait_idle(1)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_claimed_lease_cannot_be_dropped_and_eof_frees_it(server):
+    t = lease.new_token()
+    server.add(t, "held")
+    c = lease.LeaseClient()
+    c.claim(server.address, t)
+    assert until(lambda: server.claimed_by() == {os.getpid(): 1})
+    assert not server.drop(t) and server.outstanding() == 1
+    c.close()                                    # the receiver goes away: EOF
+    assert until(lambda: server.released == ["held"])
+    assert server.pending() == []
+
+
+def test_malformed_record_closes_that_connection_and_frees_its_leases(server):
+    import socket
+    t = lease.new_token()
+    server.add(t, "x")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(server.address)
+    try:
+        s.sendall(lease.CLAIM + t + b"Z" * lease.RECORD)
+        assert until(lambda: server.released == ["x"])
+        assert s.recv(1) == b""                  # the server closed it
+    finally:
+        s.close()
+
+
+def test_claim_to_an_exited_sender_raises_and_release_warns_once():
+    s = lease.LeaseServer()
+    t = lease.new_token()
+    s.add(t, "x")
+    address = s.address
+    s.close()
+    c = lease.LeaseClient()
+    with pytest.raises(RuntimeError, match="exited"):
+        c.claim(address, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.release(address, t)                    # known dead: silently dropped
+
+
+def test_a_receiver_sigkilled_frees_its_leases(server):
+    ctx = mp.get_context("spawn")
+    tokens = [lease.new_token() for _ in range(100)]
+    for i, t in enumerate(tokens):
+        server.add(t, i)
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=cw.claim_and_die, args=(child, server.address, tokens))
+    p.start()
+    child.close()
+    try:
+        assert parent.poll(TIMEOUT) and parent.recv() == "claimed"
+        assert join_or_kill(p) == -signal.SIGKILL
+        assert until(lambda: server.outstanding() == 0, TIMEOUT)
+        assert sorted(server.released) == list(range(100))
+    finally:
+        parent.close()
+
+
+def _sender(timeout):
+    env = dict(os.environ, SHAREDMP_CUDA_EXIT_TIMEOUT=str(timeout),
+               PYTHONPATH=os.pathsep.join([HERE, SRC, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "_cuda_workers.py")], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    address, token = p.stdout.readline().split()
+    return p, bytes.fromhex(address), bytes.fromhex(token)
+
+
+def test_sender_exit_waits_bounded_and_warns_while_a_receiver_holds():
+    p, address, token = _sender(1)
+    c = lease.LeaseClient()
+    try:
+        c.claim(address, token)
+        t0 = time.monotonic()
+        _, err = p.communicate("exit\n", timeout=TIMEOUT)
+        waited = time.monotonic() - t0
+    finally:
+        c.close()
+        p.kill()
+    assert p.returncode == 0
+    assert "still in use by other processes" in err and "waiting up to 1 s" in err
+    assert "exiting with 1 CUDA array(s) still held" in err
+    assert waited >= 0.9                         # a lower bound: it did wait
+
+
+def test_sender_exit_ends_its_wait_when_the_receiver_releases():
+    p, address, token = _sender(TIMEOUT)
+    c = lease.LeaseClient()
+    try:
+        c.claim(address, token)
+        p.stdin.write("exit\n")
+        p.stdin.flush()
+        time.sleep(0.3)
+        c.release(address, token)
+        _, err = p.communicate(timeout=TIMEOUT)  # far less than TIMEOUT: it would fail the test
+    finally:
+        c.close()
+        p.kill()
+    assert p.returncode == 0
+    assert "exiting with" not in err
+
+
+# -- the whole path with the stand-in driver, real processes and queues -------------------
+
+def _start(ctx, target, *args):
+    return w.start(ctx, target, *args)
+
+
+def test_send_receive_release_with_one_mapping_per_block():
+    ctx = mp.get_context("spawn")
+    q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    prod, pconn = _start(ctx, cw.produce, q, go)
+    cons, cconn = _start(ctx, cw.consume, q, done)
+    try:
+        info = w.result(cons, cconn)
+        go.set()
+        sent = w.result(prod, pconn)
+    finally:
+        pconn.close()
+        cconn.close()
+    # a and b share a block: two blocks opened once each; a's and b's pointers keep their
+    # distance; one event for the message, waited for once per array
+    assert info["opens"] == 2 and info["b_minus_a"] == 4096 - 256
+    assert info["same_holder_block"] == [1, 2] and info["waits"] == 3
+    assert info["unmapped"] and info["closes"] == 2
+    assert sent == {"sent": 3, "pending": 0, "exports": 2, "events": 1, "records": 1, "released": True,
+                    "ignored": 0, "home_left": 0, "free_events": 1}
+
+
+def test_a_receiver_killed_while_holding_frees_the_senders_memory():
+    ctx = mp.get_context("spawn")
+    q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    prod, pconn = _start(ctx, cw.produce, q, go, 50)
+    cons, cconn = _start(ctx, cw.consume, q, done, True)
+    try:
+        assert cconn.poll(TIMEOUT)
+        status, info = cconn.recv()
+        assert status == "holding" and info["opens"] == 2
+        os.kill(cons.pid, signal.SIGKILL)
+        join_or_kill(cons)
+        go.set()
+        sent = w.result(prod, pconn)
+    finally:
+        pconn.close()
+        cconn.close()
+    # the three claimed arrays are freed by the receiver's death; the 50 extra ones were
+    # never received: they stay pending until dropped
+    assert sent["sent"] == 53 and sent["released"] and sent["pending"] == 50
+
+
+def test_chain_of_three_processes_forwards_and_releases_back():
+    ctx = mp.get_context("spawn")
+    q1, q2, go, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    prod, pconn = _start(ctx, cw.produce, q1, go)
+    mid, mconn = _start(ctx, cw.forward, q1, q2, done)
+    end, econn = _start(ctx, cw.end_of_chain, q2, prod.pid)
+    try:
+        last = w.result(end, econn)
+        done.set()
+        middle = w.result(mid, mconn)
+        go.set()
+        first = w.result(prod, pconn)
+    finally:
+        for c in (pconn, mconn, econn):
+            c.close()
+    assert last == {"owner_is_first": True, "lease_is_owner": False, "opens": 2,
+                    "events_waited": 3, "unmapped": True}
+    assert middle == {"opens": 2, "unmapped": True, "outstanding": 0}
+    assert first["released"] and first["home_left"] == 0
+
+
+def test_received_back_home_is_the_original_object():
+    ctx = mp.get_context("spawn")
+    cw.install()
+    try:
+        q_out, q_back, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+        p, conn = _start(ctx, cw.send_back, q_out, q_back, done)
+        a = cw.DevArray(11 * cw.MiB + 128, 256)
+        try:
+            q_out.put(a)
+            back = q_back.get(timeout=TIMEOUT)
+            assert back is a
+            done.set()
+            assert w.result(p, conn)             # the child's forwarding lease was released
+        finally:
+            conn.close()
+        server = ipc.exporter().server
+        assert until(lambda: server.outstanding() == 0, TIMEOUT)
+        # put and get in the same process: the original, its lease dropped unclaimed
+        local = mp.get_context("spawn").Queue()
+        local.put(a)
+        assert local.get(timeout=TIMEOUT) is a
+        assert until(lambda: server.outstanding() == 0, TIMEOUT)
+        assert not ipc.exporter()._home
+        local.close()
+        local.join_thread()
+    finally:
+        ipc.exporter().server.close()
+        ipc._exporter = ipc._importer = None
+        lease._server = lease._client = None
+
+
+def test_received_twice_is_one_holder_and_the_second_lease_goes_at_once():
+    ctx = mp.get_context("spawn")
+    q, q2, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    cons, cconn = _start(ctx, cw.consume, q, done, False, q2)
+    driver = cw.install()
+    try:
+        a = cw.DevArray(13 * cw.MiB, 256)
+        q.put([a, cw.DevArray(13 * cw.MiB + 256, 8), cw.DevArray(14 * cw.MiB, 8)])
+        q2.put(a)
+        info = w.result(cons, cconn)
+        server = ipc.exporter().server
+        assert until(lambda: server.outstanding() == 0, TIMEOUT)
+        assert info["twice_same_holder"] and info["opens"] == 2 and driver.exports == 2
+    finally:
+        cconn.close()
+        ipc.exporter().server.close()
+        ipc._exporter = ipc._importer = None
+        lease._server = lease._client = None
+
+
+def test_an_array_from_a_sender_that_died_raises_on_receipt():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=cw.produce_and_die, args=(q,))
+    p.start()
+    assert join_or_kill(p) == 0
+    cw.install()
+    try:
+        with pytest.raises(RuntimeError, match="exited"):
+            q.get(timeout=TIMEOUT)
+    finally:
+        ipc._exporter = ipc._importer = None
+        lease._server = lease._client = None
+
+
+# -- the fork guard --------------------------------------------------------------------------
+
+def test_fork_guard_is_quiet_without_cuda():
+    import sharedmp.cuda as c
+    assert c.cuda_initialized() is None          # torch CPU, no libcuda mapped here
+    c.check_fork()
+
+
+@pytest.mark.parametrize("who", ["torch", "cupy", "the CUDA driver"])
+def test_fork_after_cuda_init_raises_before_forking(monkeypatch, who):
+    import multiprocessing
+
+    import sharedmp.cuda as c
+    monkeypatch.setattr(c, "cuda_initialized", lambda: who)
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=os.getpid)
+    with pytest.raises(RuntimeError, match=r"initialised \(by " + who + r"\).*'spawn' or 'forkserver'"):
+        p.start()
+    assert p._popen is None and multiprocessing.active_children() == []
+    with pytest.raises(RuntimeError, match="spawn"):
+        ctx.Pool(1)
+    assert multiprocessing.active_children() == []
+
+
+def test_fork_guard_sees_sharedmps_own_cuinit(monkeypatch):
+    import sharedmp.cuda as c
+    from sharedmp.cuda import driver
+    monkeypatch.setattr(driver, "_initialised", True)   # as after Driver() ran cuInit
+    assert c.cuda_initialized() == "the CUDA driver"
+    with pytest.raises(RuntimeError, match="spawn"):
+        mp.get_context("fork").Process(target=os.getpid).start()
+
+
+# -- lightness, registration, clean skips ---------------------------------------------------
+
+def _run(code, **env):
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+    e.update(env)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=e)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_import_sharedmp_loads_no_gpu_library():
+    got = _run("import sys, json, sharedmp, numpy as np\n"
+               "q = sharedmp.get_context('spawn').SimpleQueue(); q.put(sharedmp.zeros(3)); q.get()\n"
+               "print(json.dumps([m for m in ('torch', 'cupy', 'cuda', 'cuda.bindings',\n"
+               "                  'sharedmp.cuda.driver', 'sharedmp.cuda.ipc', 'sharedmp.reductions.cuda')\n"
+               "                  if m in sys.modules]))")
+    assert got == []
+
+
+def test_cupy_reducer_registers_when_cupy_is_imported(tmp_path):
+    # A module named cupy with an ndarray type: enough for the import hook, which is what
+    # is tested (CuPy itself needs a GPU and a multi-GB install).
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("class ndarray:\n    pass\n")
+    got = _run("import json, sharedmp, sys\n"
+               "from multiprocessing.reduction import ForkingPickler as P\n"
+               "before = 'sharedmp.reductions.cuda' in sys.modules\n"
+               "import cupy\n"
+               "from sharedmp.reductions import cuda\n"
+               "print(json.dumps([before, P._extra_reducers.get(cupy.ndarray) is cuda.reduce_cupy_array,"
+               " 'torch' in sys.modules]))",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), SRC]))
+    assert got == [False, True, False]
+
+
+def test_without_the_cuda_extra_the_reason_names_it():
+    from sharedmp.cuda import driver
+    why = driver.available()
+    if driver._cu is not None:
+        pytest.skip("cuda-bindings is installed here")
+    assert "pip install 'sharedmp[cuda]'" in why
+    with pytest.raises(RuntimeError, match=r"sharedmp\[cuda\]"):
+        driver.get()
+
+
+# -- on a GPU (skipped here, with the reason) ---------------------------------------------
+
+@needs_gpu
+def test_gpu_check_script_passes():
+    script = os.path.join(os.path.dirname(HERE), "scripts", "gpu_check.py")
+    r = subprocess.run([sys.executable, script, "--quick"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "FAIL" not in r.stdout, r.stdout + r.stderr
