@@ -1,0 +1,488 @@
+"""Hogwild training: worker processes update one model whose parameters live in shared memory.
+
+The parent builds the model and its optimizer, moves both into shared memory with
+``mp.share_memory_`` and starts the workers with ``mp.start_processes`` (spawn). Each
+worker trains on its own shard of the data and steps the shared parameters without
+locks (Hogwild!, Niu et al. 2011); with ``adam`` the moments and step counter are
+shared too, as in A3C-style training. Gradients stay private to each worker.
+
+Workers report through a ``Board`` of shared NumPy arrays, one slot per worker and one
+writer per slot, so reporting costs them no message and no lock:
+
+    status[i]   STARTING -> READY -> DONE        samples[i]  samples trained so far
+    log[i, k]   (seconds since go, samples, mean loss since the previous row)
+
+Workers wait for the parent's "go" after their start-up (spawn, import torch), so that
+samples/s measures training, not start-up. The parent stops them through the board
+(Ctrl-C, timeout): they return normally, so nothing prints a traceback. A worker that
+raises ends the run with ``mp.ProcessRaisedException``, its traceback in the message.
+
+This module imports torch; ``import sharedmp`` never imports it.
+"""
+import functools
+import math
+import os
+import signal
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import sharedmp as mp
+
+OPTIMIZERS = ("sgd", "adam")
+DEFAULT_LR = {"sgd": 0.05, "adam": 0.001}
+STARTING, READY, DONE = 0, 1, 2
+LOG_ROWS = 500             # loss rows kept per worker: steps are averaged to fit
+STARTUP_TIMEOUT = 120.0    # seconds for every worker to be ready (spawn + import torch)
+STOP_GRACE = 10.0          # seconds for stopped workers to return before they are killed
+
+
+class DataError(ValueError):
+    """A data set that cannot be trained on; the message says what is wrong and how to fix it."""
+
+
+# ------------------------------------------------------------------------------------- data
+
+@dataclass
+class Dataset:
+    """A classification data set split into train and test, features standardised."""
+    name: str
+    X_train: np.ndarray      # float32 (n_train, n_features)
+    y_train: np.ndarray      # int64 class indices in [0, n_classes)
+    X_test: np.ndarray
+    y_test: np.ndarray
+    classes: np.ndarray      # the original label of each class index
+
+    @property
+    def n_features(self):
+        return self.X_train.shape[1]
+
+    @property
+    def n_classes(self):
+        return len(self.classes)
+
+    def describe(self):
+        return (f"{self.name}: {len(self.y_train)} train / {len(self.y_test)} test samples, "
+                f"{self.n_features} features, {self.n_classes} classes")
+
+
+def split(name, X, y, test_fraction=0.25, seed=0):
+    """A ``Dataset`` from features ``X`` and labels ``y``: shuffled split, standardised by the train part."""
+    if not 0 < test_fraction < 1:
+        raise DataError(f"test_fraction must be between 0 and 1, not {test_fraction}")
+    classes, y = np.unique(y, return_inverse=True)
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_test = max(1, round(len(y) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    X = np.asarray(X, dtype=np.float64)
+    mean, std = X[train].mean(axis=0), X[train].std(axis=0)
+    std[std == 0] = 1.0                       # constant features (digits has some): leave at 0
+    X = ((X - mean) / std).astype(np.float32)
+    y = y.astype(np.int64)
+    return Dataset(name, X[train], y[train], X[test], y[test], classes)
+
+
+def load_digits(test_fraction=0.25, seed=0):
+    """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes; no download)."""
+    from sklearn.datasets import load_digits as sk_load_digits
+    X, y = sk_load_digits(return_X_y=True)
+    return split("digits (scikit-learn, 8x8 images)", X, y, test_fraction, seed)
+
+
+def load_npz(path, test_fraction=0.25, seed=0):
+    """A user's data set: an ``.npz`` file with arrays ``X`` (samples x features) and ``y`` (labels)."""
+    how = "save it with np.savez(FILE, X=features, y=labels)"
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except OSError as e:                      # a directory, no permission, ...
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    except Exception as e:                    # not npy/npz (ValueError, EOFError, BadZipFile, ...)
+        raise DataError(f"{path}: not a NumPy .npz file of plain arrays "
+                        f"({type(e).__name__}: {e}); {how}") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise DataError(f"{path}: holds a single array, not arrays named X and y; {how}")
+    with archive:
+        missing = [k for k in ("X", "y") if k not in archive.files]
+        if missing:
+            raise DataError(f"{path}: no array named {' or '.join(missing)} "
+                            f"(it has: {', '.join(archive.files) or 'nothing'}); {how}")
+        try:
+            X, y = archive["X"], archive["y"]
+        except ValueError as e:               # object arrays: allow_pickle=False
+            raise DataError(f"{path}: X and y must be plain numeric arrays ({e}); {how}") from None
+        except Exception as e:                # a corrupt member (zipfile.BadZipFile, EOFError, ...)
+            raise DataError(f"{path}: cannot read X and y ({type(e).__name__}: {e})") from None
+    if X.ndim != 2 or X.shape[0] == 0 or X.shape[1] == 0:
+        raise DataError(f"{path}: X must be 2-D, samples x features, with at least one of each; "
+                        f"it has shape {X.shape}")
+    if X.dtype.kind not in "biuf":
+        raise DataError(f"{path}: X must be numeric (int, float or bool), not {X.dtype}")
+    if not np.isfinite(X).all():
+        raise DataError(f"{path}: X holds NaN or infinite values; remove or impute them")
+    if y.ndim != 1:
+        raise DataError(f"{path}: y must be 1-D, one label per sample; it has shape {y.shape}")
+    if len(y) != len(X):
+        raise DataError(f"{path}: X has {len(X)} samples but y has {len(y)} labels; "
+                        "they must have the same length")
+    if y.dtype.kind == "f" and not (np.isfinite(y).all() and (y == np.round(y)).all()):
+        raise DataError(f"{path}: y must hold class labels (integers or strings), "
+                        "not continuous values: the demo trains a classifier")
+    if y.dtype.kind not in "biufUS":
+        raise DataError(f"{path}: y must hold class labels (integers or strings), not {y.dtype}")
+    n_classes = len(np.unique(y))
+    if n_classes < 2:
+        raise DataError(f"{path}: y has a single class; a classifier needs at least two")
+    if len(y) < 4:
+        raise DataError(f"{path}: {len(y)} samples are too few to split into train and test")
+    return split(os.path.basename(path), X, y, test_fraction, seed)
+
+
+# ------------------------------------------------------------------------------------ model
+
+def mlp(n_in, n_out, hidden=(1024, 1024)):
+    """A multi-layer perceptron: Linear + ReLU per hidden width, then a Linear to ``n_out``."""
+    layers, width = [], n_in
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, n_out))
+    return torch.nn.Sequential(*layers)
+
+
+def mlp_factory(data, hidden=(1024, 1024)):
+    """A picklable model factory for ``train``: an MLP sized for ``data``."""
+    return functools.partial(mlp, data.n_features, data.n_classes, tuple(hidden))
+
+
+def describe_model(model):
+    """'MLP 64-1024-1024-10 (1,126,410 parameters)' for an ``mlp``, else the class and size."""
+    n = sum(p.numel() for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if isinstance(model, torch.nn.Sequential) and linears:
+        widths = [linears[0].in_features] + [m.out_features for m in linears]
+        return f"MLP {'-'.join(map(str, widths))} ({n:,} parameters)"
+    return f"{type(model).__name__} ({n:,} parameters)"
+
+
+def accuracy(model, X, y):
+    """The fraction of samples of ``X`` whose predicted class is ``y``."""
+    with torch.no_grad():
+        predicted = model(torch.from_numpy(X)).argmax(dim=1).numpy()
+    return float((predicted == y).mean())
+
+
+def checksum(model):
+    """A CRC of the bytes of every parameter: equal checksums mean identical weights."""
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+    return crc
+
+
+def make_optimizer(name, params, lr):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+# ------------------------------------------------------------------------ shared reporting
+
+@dataclass
+class Board:
+    """What workers and parent share besides the model: shared NumPy arrays (see the module doc)."""
+    status: np.ndarray        # int64 (workers,)
+    samples: np.ndarray       # int64 (workers,)
+    steps: np.ndarray         # int64 (workers,)
+    seconds: np.ndarray       # float64 (workers,): when each finished, seconds since go
+    log: np.ndarray           # float64 (workers, LOG_ROWS, 3)
+    rows: np.ndarray          # int64 (workers,): rows of log written
+    checksums: np.ndarray     # int64 (workers,): each worker's view of the final weights
+    control: np.ndarray       # float64 (3,): go (1 go, -1 stop before start), stop, go time
+
+    @classmethod
+    def create(cls, workers):
+        return cls(mp.zeros(workers, np.int64), mp.zeros(workers, np.int64),
+                   mp.zeros(workers, np.int64), mp.zeros(workers), mp.zeros((workers, LOG_ROWS, 3)),
+                   mp.zeros(workers, np.int64), mp.zeros(workers, np.int64), mp.zeros(3))
+
+    def loss_curve(self, i):
+        """Worker i's (seconds, samples, loss) rows."""
+        return self.log[i, :self.rows[i]].copy()
+
+
+@dataclass
+class WorkerArgs:
+    """Everything a worker gets: the shared model, optimizer, data, board and settings."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    X: np.ndarray             # shared float32 train features
+    y: np.ndarray             # shared int64 train labels
+    order: np.ndarray         # shared permutation; worker i trains on order[i::workers]
+    board: Board
+    workers: int
+    epochs: int
+    batch_size: int
+    seed: int
+
+
+def worker(rank, a):
+    """One Hogwild worker: train the shared model on shard ``rank``, reporting on the board."""
+    # The parent owns Ctrl-C and stops workers through the board, so that a Ctrl-C at the
+    # terminal (which reaches the whole process group) prints no traceback per worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)                 # one core per worker: N workers on N cores
+    board, control = a.board, a.board.control
+    X, y = torch.from_numpy(a.X), torch.from_numpy(a.y)
+    shard = a.order[rank::a.workers]
+    steps_per_epoch = math.ceil(len(shard) / a.batch_size)
+    every = max(1, math.ceil(a.epochs * steps_per_epoch / LOG_ROWS))   # steps per log row
+    loss_fn = torch.nn.CrossEntropyLoss()
+    rng = np.random.default_rng([a.seed, rank])
+    # The first zero_grad() imports torch._dynamo (~1 s): a start-up cost, paid before "ready".
+    a.optimizer.zero_grad()
+    board.status[rank] = READY
+    while control[0] == 0:
+        time.sleep(0.001)
+    if control[0] < 0:
+        return
+    go = control[2]
+    samples = steps = 0
+    loss_sum = 0.0
+    for _ in range(a.epochs):
+        batches = shard[rng.permutation(len(shard))]
+        for start in range(0, len(batches), a.batch_size):
+            if control[1]:
+                return
+            index = torch.from_numpy(batches[start:start + a.batch_size])
+            a.optimizer.zero_grad()
+            loss = loss_fn(a.model(X[index]), y[index])
+            loss.backward()
+            a.optimizer.step()                # writes the shared weights, no lock: Hogwild
+            samples += len(index)
+            steps += 1
+            loss_sum += loss.item()
+            board.samples[rank], board.steps[rank] = samples, steps
+            if steps % every == 0 and board.rows[rank] < LOG_ROWS:
+                board.log[rank, board.rows[rank]] = (time.monotonic() - go, samples, loss_sum / every)
+                board.rows[rank] += 1
+                loss_sum = 0.0
+    board.seconds[rank] = time.monotonic() - go
+    board.status[rank] = DONE
+    # Once every worker is done, record the weights this worker sees: with shared
+    # parameters all workers and the parent see the same ones.
+    while (board.status != DONE).any() and not control[1]:
+        time.sleep(0.001)
+    board.checksums[rank] = checksum(a.model)
+
+
+# --------------------------------------------------------------------------------- trainer
+
+@dataclass
+class Result:
+    """What ``train`` measured. ``model`` is the trained (shared) model."""
+    workers: int
+    optimizer: str
+    lr: float
+    epochs: int
+    batch_size: int
+    strategy: str
+    test_accuracy: float
+    samples: int              # samples trained, all workers together
+    train_seconds: float      # from go to the last worker's last step
+    startup_seconds: float    # from start to go: spawn, import torch, unpickle the model
+    elapsed_seconds: float    # the whole call
+    steps: list               # optimizer steps per worker
+    loss_curves: list         # per worker: array of (seconds, samples, mean loss) rows
+    accuracy_curve: list      # (seconds since go, test accuracy) seen by the parent
+    worker_checksums: list    # each worker's checksum of the final weights
+    parent_checksum: int      # the parent's checksum of the same weights
+    shared_step: float | None  # adam: the shared step counter after training
+    model: object = field(repr=False, default=None)
+
+    @property
+    def samples_per_s(self):
+        return self.samples / self.train_seconds if self.train_seconds > 0 else float("nan")
+
+    def to_json(self):
+        """The figures as JSON-ready data (no model)."""
+        return {
+            "workers": self.workers, "optimizer": self.optimizer, "lr": self.lr,
+            "epochs": self.epochs, "batch_size": self.batch_size, "strategy": self.strategy,
+            "test_accuracy": self.test_accuracy, "samples": self.samples,
+            "samples_per_s": self.samples_per_s, "train_seconds": self.train_seconds,
+            "startup_seconds": self.startup_seconds, "elapsed_seconds": self.elapsed_seconds,
+            "steps": self.steps, "shared_step": self.shared_step,
+            "loss_curves": [c.tolist() for c in self.loss_curves],
+            "accuracy_curve": self.accuracy_curve,
+        }
+
+
+class _Threads:
+    """Set torch's intra-op threads for a block and restore them after."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __enter__(self):
+        self.old = torch.get_num_threads()
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.old)
+
+
+def _start(workers, args):
+    """Start the workers with SIGINT ignored, so that they inherit that (see ``worker``)."""
+    # A spawned child keeps an ignored SIGINT ignored (CPython installs its KeyboardInterrupt
+    # handler only over SIG_DFL), which covers its start-up, before ``worker`` runs.
+    def start():
+        return mp.start_processes(worker, args=(args,), nprocs=workers, join=False,
+                                  start_method="spawn")
+    if threading.current_thread() is not threading.main_thread():
+        return start()                        # signal.signal works in the main thread only
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return start()
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _stop(pctx, board):
+    """Ask the workers to return, wait a little, kill what is left (by pid)."""
+    board.control[0] = -1 if board.control[0] == 0 else board.control[0]
+    board.control[1] = 1
+    deadline = time.monotonic() + STOP_GRACE
+    while time.monotonic() < deadline:
+        try:
+            if pctx.join(0.1):
+                return
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            return                             # one failed while stopping: the others are ended
+    for process in pctx.processes:             # is_alive(): never a reaped pid, reused since
+        if process.is_alive():
+            process.kill()
+    try:
+        pctx.join(STOP_GRACE)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        pass
+
+
+def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, optimizer="sgd",
+          seed=0, progress=True, eval_interval=0.5, timeout=None, label=None):
+    """Train ``model_factory()`` on ``data`` (a ``Dataset``) with ``workers`` Hogwild processes.
+
+    ``lr`` defaults to ``DEFAULT_LR[optimizer]``. The parent evaluates the shared model on
+    the test set every ``eval_interval`` seconds (0: only at the end) and shows a tqdm bar
+    when ``progress``. ``timeout`` (seconds) bounds the whole run: past it the workers are
+    stopped and ``TimeoutError`` is raised. Returns a ``Result``.
+    """
+    for name, value in (("workers", workers), ("epochs", epochs), ("batch_size", batch_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, not {value!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    lr = DEFAULT_LR[optimizer] if lr is None else lr
+    if not lr > 0:
+        raise ValueError(f"lr must be positive, not {lr!r}")
+    if len(data.y_train) < workers:
+        raise ValueError(f"{len(data.y_train)} training samples cannot be split among {workers} "
+                         "workers; use fewer workers")
+    t_call = time.monotonic()
+    torch.manual_seed(seed)
+    model = model_factory()
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    mp.share_memory_(model)
+    mp.share_memory_(opt)                     # adam: moments and step shared (A3C style)
+    board = Board.create(workers)
+    order = np.random.default_rng(seed).permutation(len(data.y_train))
+    args = WorkerArgs(model, opt, mp.share(data.X_train), mp.share(data.y_train), mp.share(order),
+                      board, workers, epochs, batch_size, seed)
+    total = epochs * len(data.y_train)
+    curve, bar = [], None
+    with _Threads(1):                         # the parent must not compete with the workers
+        pctx = _start(workers, args)
+        try:
+            label = label or f"{workers} worker{'s' * (workers > 1)}"
+            bar = _progress_bar(total, f"starting {label}", progress)
+            _wait_ready(pctx, board, t_call, timeout)
+            if eval_interval > 0:
+                curve.append((0.0, accuracy(model, data.X_test, data.y_test)))
+            if bar is not None:
+                bar.set_description(label, refresh=False)
+                bar.reset(total)              # the bar's clock and rate start with training
+            t_go = time.monotonic()
+            board.control[2] = t_go
+            board.control[0] = 1
+            next_eval = t_go + eval_interval if eval_interval > 0 else math.inf
+            while not pctx.join(0.1):
+                now = time.monotonic()
+                if timeout is not None and now - t_call > timeout:
+                    raise TimeoutError(f"training did not finish within {timeout} s")
+                training = (board.status != DONE).any()
+                if now >= next_eval and training:
+                    curve.append((now - t_go, accuracy(model, data.X_test, data.y_test)))
+                    next_eval = now + eval_interval
+                _update(bar, board, curve)
+                if not training and bar is not None:
+                    bar.close()               # before the workers' exit, so its rate is training's
+                    bar = None
+            _update(bar, board, curve)
+        except BaseException:                 # Ctrl-C, timeout, a worker that failed
+            _stop(pctx, board)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+    train_seconds = float(board.seconds.max())
+    test_accuracy = accuracy(model, data.X_test, data.y_test)
+    curve.append((train_seconds, test_accuracy))
+    step = opt.state[next(model.parameters())].get("step") if optimizer == "adam" else None
+    return Result(
+        workers=workers, optimizer=optimizer, lr=lr, epochs=epochs, batch_size=batch_size,
+        strategy=mp.get_sharing_strategy(), test_accuracy=test_accuracy,
+        samples=int(board.samples.sum()), train_seconds=train_seconds,
+        startup_seconds=t_go - t_call, elapsed_seconds=time.monotonic() - t_call,
+        steps=board.steps.tolist(), loss_curves=[board.loss_curve(i) for i in range(workers)],
+        accuracy_curve=curve, worker_checksums=board.checksums.tolist(),
+        parent_checksum=checksum(model), shared_step=None if step is None else float(step),
+        model=model)
+
+
+def _wait_ready(pctx, board, t_call, timeout):
+    """Wait until every worker is ready. A worker that fails raises here."""
+    limit = STARTUP_TIMEOUT if timeout is None else min(STARTUP_TIMEOUT, timeout)
+    while (board.status < READY).any():
+        if pctx.join(0.02):
+            raise RuntimeError("the workers exited before they were ready")
+        if time.monotonic() - t_call > limit:
+            raise TimeoutError(f"the workers were not ready within {limit:.0f} s")
+
+
+def _progress_bar(total, label, enabled):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=label, unit="sample", unit_scale=True, leave=True,
+                dynamic_ncols=True, disable=None)
+
+
+def _update(bar, board, curve):
+    if bar is None:
+        return
+    bar.update(int(board.samples.sum()) - bar.n)
+    postfix = {}
+    rows = board.rows
+    losses = [board.log[i, rows[i] - 1, 2] for i in range(len(rows)) if rows[i] > 0]
+    if losses:
+        postfix["loss"] = f"{np.mean(losses):.3f}"
+    if curve:
+        postfix["test acc"] = f"{curve[-1][1]:.1%}"
+    bar.set_postfix(postfix, refresh=False)
