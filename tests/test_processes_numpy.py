@@ -61,6 +61,24 @@ def test_plain_array_to_spawned_child_arrives_shared():
     assert not mp.is_shared(plain)        # the sender's original stays what it was
 
 
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_big_plain_array_sent_before_its_copy_is_gone(strategy):
+    # A plain array >= 1 MiB is copied into a segment of its own that nothing but the
+    # message references: the copy must live until its fd or name is on its way (spawn
+    # arguments, sharedmp Pipe).
+    mp.set_sharing_strategy(strategy)
+    ctx = mp.get_context("spawn")
+    plain = np.arange(300000, dtype=np.float64)
+    shared, desc = w.run(ctx, w.report_shared, plain)
+    assert shared is True and desc == w.describe(plain)
+    a, b = ctx.Pipe()
+    a.send(plain + 1)
+    got = b.recv()
+    assert mp.is_shared(got) and (got == plain + 1).all()
+    a.close()
+    b.close()
+
+
 def test_same_array_twice_same_pointer_and_back_home_same_memory():
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Event()

@@ -23,6 +23,7 @@ import select
 import socket
 from multiprocessing.reduction import DupFd, ForkingPickler
 
+from ..errors import ProtocolError
 from . import fdpass
 
 SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
@@ -67,6 +68,9 @@ def loads(payload, fds):
     prev = fdpass.swap(fdpass.OutOfBand(fds))
     try:
         return pickle.loads(payload)
+    except EOFError as e:         # pickle's "Ran out of input": not the end of the channel
+        raise ProtocolError(f"a frame's payload ends before its pickle does ({len(payload)} bytes; "
+                            "the peer sent raw bytes to recv(), or the stream is corrupt)") from e
     finally:
         fdpass.swap(prev)
         fdpass.close_all(fds)

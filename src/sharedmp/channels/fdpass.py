@@ -20,14 +20,29 @@ from ..errors import ProtocolError
 _local = threading.local()
 
 
+class Fds(list):
+    """The fds of a message being sent, and (``keep``) the objects that own them until then."""
+
+    __slots__ = ("keep",)
+
+    def __init__(self):
+        super().__init__()
+        self.keep = []
+
+
 class OutOfBand:
     """The fds of one message: collected while pickling, looked up while unpickling."""
 
     __slots__ = ("fds", "_index")
 
     def __init__(self, fds=None):
-        self.fds = [] if fds is None else fds
+        self.fds = Fds() if fds is None else fds
         self._index = {}
+
+    def keep_alive(self, owner):
+        """Keep ``owner`` (a mapping whose fd this message carries) alive as long as ``fds``:
+        the caller holds ``fds`` until they are sent (or dup'ed)."""
+        self.fds.keep.append(owner)
 
     def add(self, fd):
         """The index of ``fd`` in this message, adding it once."""

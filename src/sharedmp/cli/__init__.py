@@ -1,4 +1,4 @@
-"""The command line: ``python -m sharedmp {doctor,bench,demo} ...`` (also the ``sharedmp`` script).
+"""The command line: ``python -m sharedmp {doctor,bench,demo,stress} ...`` (also the ``sharedmp`` script).
 
 Each subcommand lives in its own module ``sharedmp.cli.<name>`` which exposes
 
@@ -19,6 +19,7 @@ COMMANDS = {
     "demo": "Hogwild training of a real model with N processes sharing its parameters",
     "bench": "speed against torch.multiprocessing and the standard library, side by side",
     "doctor": "what this machine supports and where sharedmp would fail (exit 1 on problems)",
+    "stress": "producers and consumers under random SIGKILLs: messages lost, corrupted, leftovers",
 }
 
 

@@ -52,6 +52,11 @@ def allocate(nbytes, kind):
         return arena.mapping, offset
 
 
+def is_current(mapping):
+    """Whether ``mapping`` is the current arena of some strategy (kept alive by the allocator)."""
+    return any(a.mapping is mapping for a in list(_current.values()))
+
+
 def _after_fork_in_child():
     # The parent keeps carving its arenas; a child carving the same ones would hand
     # out regions twice. Children start arenas of their own.

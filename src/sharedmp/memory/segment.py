@@ -188,7 +188,7 @@ def available_memory():
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
         avail = (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
-        for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),):
+        for limit, used in _cgroup_memory_files():
             try:
                 with open(limit) as f:
                     lim = f.read().strip()
@@ -200,6 +200,42 @@ def available_memory():
     except (OSError, KeyError, ValueError):
         pass
     return avail
+
+
+def _cgroup_memory_files():
+    """(limit, usage) files of this process's memory cgroup and of its ancestors, v2 and v1.
+
+    Over its cgroup's limit, a process is OOM-killed at fallocate, not refused. In a
+    container the path in /proc/self/cgroup may start above the mounted root: the
+    longest tail of it that exists under the mount is ours.
+    """
+    out = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        hid, controllers, path = line.split(":", 2)
+        if hid == "0" and controllers == "":
+            mount, files = "/sys/fs/cgroup", ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            mount, files = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        parts = [x for x in path.split("/") if x]
+        for i in range(len(parts) + 1):
+            here = os.path.join(mount, *parts[i:])
+            if os.path.exists(os.path.join(here, files[0])):
+                break
+        else:
+            continue
+        while True:
+            out.append((os.path.join(here, files[0]), os.path.join(here, files[1])))
+            if os.path.normpath(here) == mount:
+                break
+            here = os.path.dirname(here)
+    return out
 
 
 def _reserve(fd, size, what, hint):
@@ -236,11 +272,24 @@ def create(size, kind):
             f"cannot reserve {format_size(size)} of shared memory: this machine has only "
             f"{format_size(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
             "Use smaller arrays, free memory, or allocate in chunks.")
-    if kind == "file_descriptor":
-        return _create_memfd(size)
-    if kind == "file_system":
-        return _create_named(size)
-    raise ValueError(f"unknown segment kind {kind!r}")
+    if kind not in ("file_descriptor", "file_system"):
+        raise ValueError(f"unknown segment kind {kind!r}")
+    try:
+        return _create_memfd(size) if kind == "file_descriptor" else _create_named(size)
+    except OSError as e:            # limits of this process, said with the setting to change
+        if e.errno == errno.EMFILE:
+            raise _too_many_files("create") from None
+        if e.errno == errno.ENOMEM and not isinstance(e, OutOfSharedMemory):
+            raise OutOfSharedMemory(f"cannot map {format_size(size)} of shared memory: this process's "
+                                    "address space is exhausted (`ulimit -v`, RLIMIT_AS) or it has too "
+                                    "many mappings (vm.max_map_count)") from None
+        raise
+
+
+def _too_many_files(what):
+    return OSError(errno.EMFILE, f"too many open files to {what} a shared-memory segment: raise the "
+                   "limit (`ulimit -n`, RLIMIT_NOFILE), or keep fewer big arrays alive (arrays below "
+                   "1 MiB share a few segments)")
 
 
 def _create_memfd(size):
@@ -320,11 +369,16 @@ def attach_fd(fd):
         if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
             raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
                                "it under this process (SIGBUS), so it is refused")
-    own = os.dup(fd)
+    try:
+        own = os.dup(fd)
+    except OSError as e:
+        raise (_too_many_files("map") if e.errno == errno.EMFILE else e) from None
     try:
         mm = _map(own, st.st_size)
     except OSError as e:          # sealed against writing, opened read-only, ...: not one of ours
         os.close(own)
+        if e.errno == errno.EMFILE:
+            raise _too_many_files("map") from None
         raise SegmentError(f"received fd cannot be mapped for reading and writing ({e.strerror}): "
                            "not a sharedmp segment, or one opened read-only or sealed against writes") from None
     except BaseException:
@@ -352,16 +406,22 @@ def attach_name(name):
         fd = os.open(path, os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW)
     except FileNotFoundError:
         raise SegmentError(
-            f"shared-memory segment {name} no longer exists in {shm_dir()}: its creator released it "
-            "before this process attached. Keep the array alive in the sender until it is received, "
-            "or use the 'file_descriptor' strategy.") from None
+            f"shared-memory segment {name} no longer exists in {shm_dir()}: every process that held it "
+            "let go before this one attached (the same message unpickled twice, a sender killed in "
+            "the middle of put(), or a sender with another $SHAREDMP_SHM_DIR). Use the "
+            "'file_descriptor' strategy if it persists.") from None
     except OSError as e:   # a symlink (O_NOFOLLOW), a directory, not ours (EACCES), ...
+        if e.errno == errno.EMFILE:
+            raise _too_many_files("open") from None
         raise SegmentError(f"{path} cannot be attached as a shared-memory segment: {e.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:
             raise SegmentError(f"{path} is not a segment of this user")
-        mm = _map(fd, st.st_size)
+        try:
+            mm = _map(fd, st.st_size)
+        except OSError as e:
+            raise (_too_many_files("map") if e.errno == errno.EMFILE else e) from None
     finally:
         os.close(fd)
     seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False, path=path)

@@ -1,0 +1,157 @@
+"""Resource limits: few fds (RLIMIT_NOFILE 64), a small address space (RLIMIT_AS), a memory cgroup.
+
+Each case runs in a fresh subprocess that lowers its own limit, then does ordinary sharedmp
+work; it must end in success or in a clear exception that names the setting to change,
+never in a crash (a signal) or a hang (the subprocess is bounded).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+
+import pytest
+
+TIMEOUT = 120
+
+PRELUDE = """
+import json, os, resource, sys
+import numpy as np
+import sharedmp as mp
+out = {}
+def attempt(name, fn):
+    try:
+        fn()
+        out[name] = "ok"
+    except Exception as e:
+        out[name] = f"{type(e).__name__}: {e}"
+"""
+
+
+def run(body, *args):
+    """Run PRELUDE + body in a fresh interpreter; its ``out`` dict (printed as JSON).
+
+    Named segments go to a private directory, which must be empty once the program has
+    ended (its manager daemon unlinks what is left; on a busy machine that takes a while).
+    """
+    code = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out), flush=True)\n"
+    shm = tempfile.mkdtemp(prefix="sharedmp-limits-", dir="/dev/shm")
+    env = dict(os.environ, SHAREDMP_SHM_DIR=shm)
+    env.pop("SHAREDMP_MANAGER", None)             # a daemon of its own, under its own limits
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                              timeout=TIMEOUT, env=env)
+        assert proc.returncode == 0, f"crashed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        deadline = time.monotonic() + 30
+        while os.listdir(shm) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.listdir(shm), f"segments left behind: {os.listdir(shm)}"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_64_fds(strategy):
+    out = run("""
+        mp.set_sharing_strategy(sys.argv[1])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        small = []
+        attempt("10000 small arrays", lambda: small.extend(mp.zeros(100) for _ in range(10000)))
+
+        def queue_round_trip():
+            ctx = mp.get_context("spawn")
+            q, r = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=np.copyto, args=(mp.zeros(3), np.ones(3)))   # a child, too
+            p.start(); p.join(60)
+            assert p.exitcode == 0, p.exitcode
+            for i in range(300):
+                q.put([mp.full(10, i), {"i": i}])
+            got = [q.get(timeout=60) for _ in range(300)]
+            assert [int(a[0]) for a, _ in got] == list(range(300))
+        attempt("queue of 300 messages", queue_round_trip)
+
+        big = []
+        attempt("100 arrays of 2 MiB", lambda: big.extend(mp.zeros(1 << 18) for _ in range(100)))
+        big.clear()
+
+        def many_fds_in_one_message():                # the receiver cannot take them all
+            a, b = mp.Pipe()
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            arrays = [mp.zeros(1 << 18) for _ in range(60)]          # 60 segments, 60 fds
+            a.send(arrays)
+            del arrays
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            b.recv()
+        attempt("one message with 60 fds", many_fds_in_one_message)
+    """, strategy)
+    assert out["10000 small arrays"] == "ok"
+    assert out["queue of 300 messages"] == "ok"
+    big = out["100 arrays of 2 MiB"]
+    if strategy == "file_descriptor":       # 2 fds per mapped memfd segment on Python < 3.13
+        assert big.startswith("OSError: [Errno 24] too many open files to create") and "ulimit -n" in big, big
+    else:                                   # named segments keep no fd of their own
+        assert big == "ok" or "ulimit -n" in big, big
+    many = out["one message with 60 fds"]
+    if strategy == "file_descriptor":       # the kernel drops the fds it cannot install
+        assert many.startswith("ProtocolError") and "ulimit -n" in many, many
+    else:                                   # names travel; mapping them takes an fd each
+        assert many.startswith("OSError: [Errno 24] too many open files to map") and "ulimit -n" in many, many
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_small_address_space(strategy):
+    out = run("""
+        mp.set_sharing_strategy(sys.argv[1])
+        with open("/proc/self/status") as f:
+            size = [int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize")][0]
+        resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.RLIM_INFINITY))
+        attempt("small", lambda: mp.zeros(1000).sum())
+        attempt("512 MiB", lambda: mp.empty(512 << 20, np.uint8)[::4096].fill(1))
+        attempt("small after", lambda: mp.zeros(1 << 20).sum())
+    """, strategy)
+    assert out["small"] == "ok" and out["small after"] == "ok", out
+    assert out["512 MiB"].startswith("OutOfSharedMemory") and "ulimit -v" in out["512 MiB"], out
+
+
+def _memory_cgroup(limit):
+    """A fresh memory cgroup (v2 or v1) limited to ``limit`` bytes, or skip."""
+    name = f"sharedmp-test-{uuid.uuid4().hex[:8]}"
+    for base, limit_file in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        path = os.path.join(base, name)
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        if not os.path.exists(os.path.join(path, "cgroup.procs")):     # a plain directory
+            os.rmdir(path)
+            continue
+        try:
+            with open(os.path.join(path, limit_file), "w") as f:
+                f.write(str(limit))
+            return path
+        except OSError:
+            os.rmdir(path)
+    pytest.skip("no writable memory cgroup here (needs root and cgroup v1 or v2 with the memory controller)")
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_memory_cgroup(strategy):
+    path = _memory_cgroup(256 << 20)
+    try:
+        out = run("""
+            with open(os.path.join(sys.argv[2], "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+            mp.set_sharing_strategy(sys.argv[1])
+            attempt("small", lambda: mp.zeros(1000).sum())
+            attempt("512 MiB", lambda: mp.empty(512 << 20, np.uint8)[::4096].fill(1))
+            attempt("64 MiB", lambda: mp.empty(64 << 20, np.uint8)[::4096].fill(1))
+        """, strategy, path)
+    finally:
+        os.rmdir(path)
+    assert out["small"] == "ok" and out["64 MiB"] == "ok", out
+    assert out["512 MiB"].startswith("OutOfSharedMemory") and "cgroup" in out["512 MiB"], out

@@ -1,0 +1,103 @@
+"""The stress run (``python -m sharedmp stress``): a short run, and its verdict logic.
+
+The run itself (producers and consumers under random SIGKILLs, both strategies) goes in a
+subprocess, bounded; everything it reports as a problem fails the test.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sharedmp.cli import stress
+
+SECONDS = 24            # two epochs of ~9 s: file_descriptor, then file_system
+
+
+@pytest.mark.timeout(SECONDS + 2 * stress.GRACE + 120)
+def test_short_stress_run(tmp_path):
+    out = tmp_path / "stress.json"
+    proc = subprocess.run([sys.executable, "-m", "sharedmp", "stress", "--seconds", str(SECONDS),
+                           "--json", str(out)], capture_output=True, text=True,
+                          timeout=SECONDS + 2 * stress.GRACE + 90)
+    assert out.exists(), proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    assert proc.returncode == 0 and rep["ok"], proc.stdout + proc.stderr
+    t = rep["totals"]
+    for k in ("corrupted", "lost", "duplicated", "receive_errors", "bad_channel_ends", "hung"):
+        assert t[k] == 0, (k, t)
+    assert t["leftovers"] == {"shm_files": 0, "segment_fds": 0, "processes": 0}
+    assert t["kills_survived"] >= 2                          # at least one kill per epoch
+    for strategy in ("file_descriptor", "file_system"):
+        assert t["by_strategy"][strategy]["messages"] > 100, t["by_strategy"]
+    assert t["bytes"] > 1 << 20
+    assert "corrupted        0" in proc.stdout and "result           ok" in proc.stdout
+
+
+# -- the verdict: a pure function of the shared counters -------------------------------------
+
+P, T, C = 2, 2, 2
+
+
+def counters(sent, recv):
+    """Counters where every stream (p, t, c) sent ``sent`` and received ``recv``."""
+    a = np.zeros((P, T, C, 4), np.int64)
+    a[..., stress.SENT], a[..., stress.RECV] = sent, recv
+    return a, np.zeros((C, 4), np.int64), np.full((P, C), stress.EOF, np.int64)
+
+
+def test_judge_clean_epoch():
+    v = stress.judge(*counters(10, 10), set(), set())
+    assert v["messages"] == P * T * C * 10
+    assert all(v[k] == 0 for k in stress.VIOLATIONS)
+
+
+def test_judge_counts_a_loss_between_live_processes():
+    cnt, cstats, ends = counters(10, 10)
+    cnt[1, 0, 1, stress.RECV] = 7
+    v = stress.judge(cnt, cstats, ends, set(), set())
+    assert v["lost"] == 3
+    assert stress.problems(v) == ["lost = 3"]
+
+
+def test_judge_killed_producer_may_have_one_message_on_its_way_but_lose_none():
+    cnt, cstats, ends = counters(10, 10)
+    cnt[0, 0, 0, stress.RECV] = 11             # sent, counter not yet raised when killed
+    ends[0, 0] = stress.TRUNCATED              # the next one was cut in the middle
+    v = stress.judge(cnt, cstats, ends, {0}, set())
+    assert (v["lost"], v["duplicated"], v["in_transit_at_kill"], v["truncated_frames"]) == (0, 0, 1, 1)
+    cnt[0, 1, 1, stress.RECV] = 9              # but a message whose send() returned is lost
+    assert stress.judge(cnt, cstats, ends, {0}, set())["lost"] == 1
+    cnt[0, 1, 1, stress.RECV] = 12             # or two more than sent arrived
+    assert stress.judge(cnt, cstats, ends, {0}, set())["duplicated"] == 1
+
+
+def test_judge_messages_to_a_killed_consumer_are_counted_apart():
+    cnt, cstats, ends = counters(10, 4)
+    cnt[:, :, 1, stress.RECV] = 10
+    ends[:, 0] = stress.OPEN
+    v = stress.judge(cnt, cstats, ends, set(), {0})
+    assert v["lost"] == 0 and v["lost_to_killed_consumers"] == P * T * 6 and v["bad_channel_ends"] == 0
+
+
+def test_judge_truncated_frame_from_a_live_producer_is_a_problem():
+    cnt, cstats, ends = counters(5, 5)
+    ends[1, 1] = stress.TRUNCATED
+    cstats[0, stress.CORRUPT] = 2
+    v = stress.judge(cnt, cstats, ends, set(), set())
+    assert v["bad_channel_ends"] == 1 and v["corrupted"] == 2
+
+
+def test_digest_sees_bytes_dtype_shape_and_flags():
+    a = np.arange(12, dtype=np.int32).reshape(3, 4)
+    d = stress.digest(a)
+    assert stress.digest(a.copy()) == d
+    b = a.copy()
+    b[2, 3] = 0
+    ro = a.view()
+    ro.flags.writeable = False
+    for other in (b, a.astype(np.int64), a.reshape(4, 3), a.view(np.float32), ro, a.T.copy()):
+        assert stress.digest(other) != d
+    assert stress.digest({"x": 1}) == stress.digest({"x": 1}) != stress.digest({"x": 2})
