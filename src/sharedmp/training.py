@@ -11,11 +11,20 @@ writer per slot, so reporting costs them no message and no lock:
 
     status[i]   STARTING -> READY -> DONE        samples[i]  samples trained so far
     log[i, k]   (seconds since go, samples, mean loss since the previous row)
+    waiting[i]  the last averaging round worker i reached (several nodes only; see below)
 
 Workers wait for the parent's "go" after their start-up (spawn, import torch), so that
 samples/s measures training, not start-up. The parent stops them through the board
 (Ctrl-C, timeout): they return normally, so nothing prints a traceback. A worker that
 raises ends the run with ``mp.ProcessRaisedException``, its traceback in the message.
+
+Several nodes (``node=``, a ``sharedmp.distributed.Node``): the parent is its node's
+leader. Each worker, after every ``node.every``-th step, records the round it reached in
+``waiting`` and waits until the leader releases that round (``control[RESUME]``); once every
+worker waits or is done, the leader averages the parameters with the other nodes and
+releases the round. So the averaged weights are exactly what every node holds, and a
+node's workers are idle only while it averages or waits for slower nodes. Each node trains
+on its own shard of the data (by rank); its workers on sub-shards.
 
 This module imports torch; ``import sharedmp`` never imports it.
 """
@@ -36,6 +45,7 @@ import sharedmp as mp
 OPTIMIZERS = ("sgd", "adam")
 DEFAULT_LR = {"sgd": 0.05, "adam": 0.001}
 STARTING, READY, DONE = 0, 1, 2
+RESUME, FINAL = 3, 4       # control[]: last averaging round released; 1 once the last is done
 LOG_ROWS = 500             # loss rows kept per worker: steps are averaged to fit
 STARTUP_TIMEOUT = 120.0    # seconds for every worker to be ready (spawn + import torch)
 STOP_GRACE = 10.0          # seconds for stopped workers to return before they are killed
@@ -205,13 +215,17 @@ class Board:
     log: np.ndarray           # float64 (workers, LOG_ROWS, 3)
     rows: np.ndarray          # int64 (workers,): rows of log written
     checksums: np.ndarray     # int64 (workers,): each worker's view of the final weights
-    control: np.ndarray       # float64 (3,): go (1 go, -1 stop before start), stop, go time
+    control: np.ndarray       # float64 (5,): go (1 go, -1 stop before start), stop, go time,
+                              # RESUME, FINAL (several nodes)
+    waiting: np.ndarray       # int64 (workers,): the averaging round each worker last reached
+    paused: np.ndarray        # float64 (workers,): seconds each worker waited for averaging
 
     @classmethod
     def create(cls, workers):
         return cls(mp.zeros(workers, np.int64), mp.zeros(workers, np.int64),
                    mp.zeros(workers, np.int64), mp.zeros(workers), mp.zeros((workers, LOG_ROWS, 3)),
-                   mp.zeros(workers, np.int64), mp.zeros(workers, np.int64), mp.zeros(3))
+                   mp.zeros(workers, np.int64), mp.zeros(workers, np.int64), mp.zeros(5),
+                   mp.zeros(workers, np.int64), mp.zeros(workers))
 
     def loss_curve(self, i):
         """Worker i's (seconds, samples, loss) rows."""
@@ -231,6 +245,7 @@ class WorkerArgs:
     epochs: int
     batch_size: int
     seed: int
+    every: int = 0            # several nodes: wait for averaging after every `every` steps
 
 
 def worker(rank, a):
@@ -274,13 +289,25 @@ def worker(rank, a):
                 board.log[rank, board.rows[rank]] = (time.monotonic() - go, samples, loss_sum / every)
                 board.rows[rank] += 1
                 loss_sum = 0.0
+            if a.every and steps % a.every == 0:
+                _wait_for_round(board, rank, steps // a.every)
     board.seconds[rank] = time.monotonic() - go
     board.status[rank] = DONE
-    # Once every worker is done, record the weights this worker sees: with shared
-    # parameters all workers and the parent see the same ones.
-    while (board.status != DONE).any() and not control[1]:
+    # Once every worker is done (and with several nodes, the last averaging round), record
+    # the weights this worker sees: with shared parameters all workers and the parent see
+    # the same ones.
+    while ((board.status != DONE).any() or (a.every and not control[FINAL])) and not control[1]:
         time.sleep(0.001)
     board.checksums[rank] = checksum(a.model)
+
+
+def _wait_for_round(board, rank, n):
+    """(in a worker) Wait until the leader has averaged round ``n`` (or stops the run)."""
+    t0 = time.monotonic()
+    board.waiting[rank] = n
+    while board.control[RESUME] < n and not board.control[1]:
+        time.sleep(0.0005)
+    board.paused[rank] += time.monotonic() - t0
 
 
 # --------------------------------------------------------------------------------- trainer
@@ -306,6 +333,15 @@ class Result:
     parent_checksum: int      # the parent's checksum of the same weights
     shared_step: float | None  # adam: the shared step counter after training
     model: object = field(repr=False, default=None)
+    node: int | None = None   # several nodes: this node's rank
+    rounds: list = field(default_factory=list)   # per averaging round: (seconds since go,
+                                                  # all-reduce seconds, checksum after it)
+    paused_seconds: list = field(default_factory=list)   # per worker: waited for averaging
+
+    @property
+    def allreduce_seconds(self):
+        """Time the leader spent averaging (waiting for slower nodes included)."""
+        return float(sum(r[1] for r in self.rounds))
 
     @property
     def samples_per_s(self):
@@ -322,6 +358,8 @@ class Result:
             "steps": self.steps, "shared_step": self.shared_step,
             "loss_curves": [c.tolist() for c in self.loss_curves],
             "accuracy_curve": self.accuracy_curve,
+            "node": self.node, "rounds": self.rounds, "allreduce_seconds": self.allreduce_seconds,
+            "paused_seconds": self.paused_seconds,
         }
 
 
@@ -376,13 +414,15 @@ def _stop(pctx, board):
 
 
 def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, optimizer="sgd",
-          seed=0, progress=True, eval_interval=0.5, timeout=None, label=None):
+          seed=0, progress=True, eval_interval=0.5, timeout=None, label=None, node=None):
     """Train ``model_factory()`` on ``data`` (a ``Dataset``) with ``workers`` Hogwild processes.
 
     ``lr`` defaults to ``DEFAULT_LR[optimizer]``. The parent evaluates the shared model on
     the test set every ``eval_interval`` seconds (0: only at the end) and shows a tqdm bar
     when ``progress``. ``timeout`` (seconds) bounds the whole run: past it the workers are
-    stopped and ``TimeoutError`` is raised. Returns a ``Result``.
+    stopped and ``TimeoutError`` is raised. ``node`` (a ``sharedmp.distributed.Node``):
+    this is one node of several, trained on its shard and averaged with the others (see
+    the module doc); ``epochs`` then counts passes over the node's shard. Returns a ``Result``.
     """
     for name, value in (("workers", workers), ("epochs", epochs), ("batch_size", batch_size)):
         if not isinstance(value, int) or value < 1:
@@ -392,8 +432,12 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
     lr = DEFAULT_LR[optimizer] if lr is None else lr
     if not lr > 0:
         raise ValueError(f"lr must be positive, not {lr!r}")
-    if len(data.y_train) < workers:
-        raise ValueError(f"{len(data.y_train)} training samples cannot be split among {workers} "
+    order = np.random.default_rng(seed).permutation(len(data.y_train))
+    if node is not None:
+        order = order[node.rank::node.world_size]   # the same permutation on every node
+    if len(order) < workers:
+        where = f"node {node.rank}'s {len(order)}" if node is not None else f"{len(order)}"
+        raise ValueError(f"{where} training samples cannot be split among {workers} "
                          "workers; use fewer workers")
     t_call = time.monotonic()
     torch.manual_seed(seed)
@@ -402,17 +446,19 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
     mp.share_memory_(model)
     mp.share_memory_(opt)                     # adam: moments and step shared (A3C style)
     board = Board.create(workers)
-    order = np.random.default_rng(seed).permutation(len(data.y_train))
     args = WorkerArgs(model, opt, mp.share(data.X_train), mp.share(data.y_train), mp.share(order),
-                      board, workers, epochs, batch_size, seed)
-    total = epochs * len(data.y_train)
-    curve, bar = [], None
+                      board, workers, epochs, batch_size, seed, node.every if node is not None else 0)
+    total = epochs * len(order)
+    curve, bar, rounds = [], None, []
+    poll = 0.1 if node is None else 0.002     # workers wait for each round: notice it soon
     with _Threads(1):                         # the parent must not compete with the workers
         pctx = _start(workers, args)
         try:
             label = label or f"{workers} worker{'s' * (workers > 1)}"
             bar = _progress_bar(total, f"starting {label}", progress)
             _wait_ready(pctx, board, t_call, timeout)
+            if node is not None:
+                node.start(model)             # rank 0's weights, once every node is ready
             if eval_interval > 0:
                 curve.append((0.0, accuracy(model, data.X_test, data.y_test)))
             if bar is not None:
@@ -422,15 +468,33 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
             board.control[2] = t_go
             board.control[0] = 1
             next_eval = t_go + eval_interval if eval_interval > 0 else math.inf
-            while not pctx.join(0.1):
+            averaging, next_update, last_round = node is not None, t_go, t_go
+            while not pctx.join(poll):
                 now = time.monotonic()
                 if timeout is not None and now - t_call > timeout:
                     raise TimeoutError(f"training did not finish within {timeout} s")
                 training = (board.status != DONE).any()
+                if averaging and ((board.waiting > len(rounds)) | (board.status == DONE)).all():
+                    averaging = node.average(model, training)   # False: every node is done
+                    rounds.append((now - t_go, time.monotonic() - now, checksum(model)))
+                    board.control[RESUME] = len(rounds)
+                    board.control[FINAL] = not averaging
+                    last_round = time.monotonic()
+                    continue
+                if averaging and now - last_round > node.timeout:
+                    # The other nodes give up on this one after as long, in their all_reduce.
+                    late = np.flatnonzero((board.waiting <= len(rounds)) & (board.status != DONE))
+                    raise TimeoutError(
+                        f"node {node.rank}: worker(s) {', '.join(map(str, late))} did not reach "
+                        f"averaging round {len(rounds) + 1} within {node.timeout:.0f} s: a step hangs "
+                        f"or {node.every} steps take longer than that; raise the timeout (--dist-timeout) "
+                        "or average more often (--sync-every)")
                 if now >= next_eval and training:
                     curve.append((now - t_go, accuracy(model, data.X_test, data.y_test)))
                     next_eval = now + eval_interval
-                _update(bar, board, curve)
+                if now >= next_update:
+                    _update(bar, board, curve)
+                    next_update = now + 0.05
                 if not training and bar is not None:
                     bar.close()               # before the workers' exit, so its rate is training's
                     bar = None
@@ -453,7 +517,8 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
         steps=board.steps.tolist(), loss_curves=[board.loss_curve(i) for i in range(workers)],
         accuracy_curve=curve, worker_checksums=board.checksums.tolist(),
         parent_checksum=checksum(model), shared_step=None if step is None else float(step),
-        model=model)
+        model=model, node=None if node is None else node.rank, rounds=rounds,
+        paused_seconds=board.paused.tolist())
 
 
 def _wait_ready(pctx, board, t_call, timeout):

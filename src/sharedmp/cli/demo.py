@@ -5,11 +5,21 @@ Trains an MLP on scikit-learn's bundled digits (or ``--data FILE.npz``) with
 stepping it without locks, a progress bar fed by shared counters. Prints the test
 accuracy and samples/s; ``--compare`` runs 1 worker as well and prints the speed-up.
 
-Exit status: 0 done, 1 a worker failed (its traceback is printed), 2 bad arguments or
-data, 130 interrupted (Ctrl-C: the workers are stopped, nothing is left behind).
+Several nodes (``sharedmp.distributed``): run under ``torchrun --nproc-per-node 1`` on each
+machine (the variables it sets make this process its node's leader), or ``--nodes N`` to
+simulate N nodes here: N leaders on loopback, each with its own workers. Node 0 prints the
+figures of every node.
+
+Exit status: 0 done, 1 a worker or a node failed (its traceback or the node is printed),
+2 bad arguments or data, 130 interrupted (Ctrl-C: the workers are stopped, nothing is left
+behind).
 """
+import functools
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -18,6 +28,8 @@ import time
 # between the cores), 64-512-512-10 1.65x, 64-1024-1024-10 ~2x.
 DEFAULT_HIDDEN = "1024,1024"
 DEFAULT_EPOCHS = 40
+DEFAULT_SYNC_EVERY = 50        # steps of each worker between averaging rounds (several nodes)
+DEFAULT_DIST_TIMEOUT = 60.0
 
 
 def add_parser(subparsers):
@@ -43,6 +55,20 @@ def add_parser(subparsers):
     p.add_argument("--plot", metavar="FILE", help="write a PNG: loss per worker and test accuracy over time")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument("--seed", type=int, default=0, help="seed of the split, the model and the shuffles")
+    g = p.add_argument_group(
+        "several nodes", "Hogwild inside each node, parameters averaged across nodes with "
+        "torch.distributed. On real machines run, on each: torchrun --nnodes N --nproc-per-node 1 "
+        "--node-rank R --master-addr HOST0 --master-port PORT -m sharedmp demo [options]")
+    g.add_argument("--nodes", type=int, metavar="N",
+                   help="simulate N nodes on this machine: N leaders on loopback, each with --workers workers")
+    g.add_argument("--sync-every", type=int, default=DEFAULT_SYNC_EVERY, metavar="K",
+                   help=f"average the parameters across nodes every K steps of each worker "
+                        f"(default: {DEFAULT_SYNC_EVERY})")
+    g.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                   help="torch.distributed backend (default: gloo; nccl needs a GPU per node)")
+    g.add_argument("--dist-timeout", type=float, default=DEFAULT_DIST_TIMEOUT, metavar="S",
+                   help="seconds to wait for the other nodes, at start and in each averaging round, "
+                        f"before giving up (default: {DEFAULT_DIST_TIMEOUT:g})")
     return p
 
 
@@ -64,6 +90,14 @@ def _check(args):
             errors.append(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if args.lr is not None and not args.lr > 0:
         errors.append(f"--lr must be positive, not {args.lr}")
+    if args.nodes is not None and args.nodes < 1:
+        errors.append(f"--nodes must be at least 1, not {args.nodes}")
+    if args.sync_every < 1:
+        errors.append(f"--sync-every must be at least 1, not {args.sync_every}")
+    if not args.dist_timeout > 0:
+        errors.append(f"--dist-timeout must be positive, not {args.dist_timeout}")
+    if args.compare and (args.nodes is not None or _launched()):
+        errors.append("--compare runs on one node only; leave it out with several nodes")
     try:
         _hidden(args.hidden)
     except ValueError as e:
@@ -86,12 +120,21 @@ def _summary(result, label):
          f"start-up {result.startup_seconds:.1f} s not counted)")
 
 
+def _launched():
+    """True if torchrun (or ``--nodes``) started this process as a node leader."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def run(args):
     errors = _check(args)
     if errors:
         for e in errors:
             print(f"error: {e}", file=sys.stderr)
         return 2
+    if _launched():
+        return run_node(args)
+    if args.nodes is not None:
+        return launch_local(args)
     t0 = time.monotonic()
     import sharedmp as mp
     if args.strategy is not None:
@@ -159,6 +202,229 @@ def run(args):
         plot(runs, report, args.plot)
         print(f"plot written to {args.plot}")
     return 0
+
+
+# ------------------------------------------------------------------------- several nodes
+
+def run_node(args):
+    """This process is one node's leader (torchrun or ``--nodes``): train, average, report.
+
+    It ends the process itself (``distributed.exit_now``: see the hazard there).
+    """
+    from .. import distributed
+    distributed.exit_now(_lead(args))
+
+
+def _lead(args):
+    t0 = time.monotonic()
+    import sharedmp as mp
+    from .. import distributed, training
+    try:
+        env = distributed.NodeEnv.from_env()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rank0, me = env.rank == 0, f"node {env.rank}: "
+    if args.nodes is not None and args.nodes != env.world_size:
+        print(f"{me}error: --nodes {args.nodes} but WORLD_SIZE={env.world_size}; leave --nodes "
+              "out under torchrun (--nnodes sets the number of nodes)", file=sys.stderr)
+        return 2
+    if args.strategy is not None:
+        mp.set_sharing_strategy(args.strategy)
+    try:
+        data = training.load_npz(args.data, seed=args.seed) if args.data \
+            else training.load_digits(seed=args.seed)
+    except training.DataError as e:
+        print(f"{me}error: --data {e}" if args.data else f"{me}error: {e}", file=sys.stderr)
+        return 2
+    factory = training.mlp_factory(data, _hidden(args.hidden))
+    if rank0:
+        _row("dataset", data.describe())
+        _row("model", training.describe_model(factory()))
+        _row("optimizer", f"{args.optimizer}, lr "
+                          f"{training.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr:g}, "
+                          f"batch {args.batch_size}, {args.epochs} epochs of each node's shard "
+                          "(parameters averaged across nodes; optimizer state per node)")
+    try:
+        node = distributed.Node(env, args.backend, args.sync_every, args.dist_timeout)
+    except ValueError as e:
+        print(f"{me}error: {e}", file=sys.stderr)
+        return 2
+    except distributed.NodeLost as e:
+        print(f"{me}error: {e}", file=sys.stderr)
+        return 1
+    try:
+        if rank0:
+            _row("nodes", f"{node.describe()}; {args.workers} worker{'s' * (args.workers > 1)} "
+                          "(spawn) per node")
+        result = training.train(factory, data, workers=args.workers, epochs=args.epochs,
+                                batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
+                                seed=args.seed, progress=rank0, node=node,
+                                label=f"node 0 of {env.world_size}, {args.workers} worker{'s' * (args.workers > 1)}")
+        nodes = node.gather(_node_figures(result, node))
+    except KeyboardInterrupt:
+        print(f"\n{me}interrupted: the workers were stopped", file=sys.stderr, flush=True)
+        return 130
+    except (distributed.NodeLost, TimeoutError) as e:
+        print(f"{me}error: {e}; this node's workers were stopped", file=sys.stderr, flush=True)
+        return 1
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(f"{me}error: a worker failed, training stopped (the other nodes will stop too):\n{e}",
+              file=sys.stderr, flush=True)
+        return 1
+    except ValueError as e:                        # a shard too small for --workers
+        print(f"{me}error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        node.close()
+    if rank0:
+        _report_nodes(args, data, result, nodes, time.monotonic() - t0)
+    return 0
+
+
+def _node_figures(result, node):
+    """What node 0 prints for each node (gathered from every node)."""
+    return {"rank": node.rank, "host": socket.gethostname(), "pid": os.getpid(),
+            "workers": result.workers, "samples": result.samples,
+            "train_seconds": result.train_seconds, "samples_per_s": result.samples_per_s,
+            "test_accuracy": result.test_accuracy, "rounds": len(result.rounds),
+            "allreduce_seconds": result.allreduce_seconds,
+            "paused_seconds": sum(result.paused_seconds) / len(result.paused_seconds),
+            "round_checksums": [r[2] for r in result.rounds],
+            "final_checksum": result.parent_checksum,
+            "workers_see_final": result.worker_checksums == [result.parent_checksum] * result.workers}
+
+
+def _report_nodes(args, data, result, nodes, elapsed):
+    from .. import training
+    for n in nodes:
+        _row(f"node {n['rank']}", f"{n['host']}, {n['workers']} worker{'s' * (n['workers'] > 1)}: test accuracy {n['test_accuracy']:.1%}, "
+             f"{n['samples_per_s']:,.0f} samples/s ({n['samples']:,} samples in {n['train_seconds']:.2f} s); "
+             f"{n['rounds']} rounds, all-reduce {n['allreduce_seconds']:.2f} s, "
+             f"workers paused {n['paused_seconds']:.2f} s each")
+    equal = all(n["round_checksums"] == nodes[0]["round_checksums"] for n in nodes)
+    final = len({n["final_checksum"] for n in nodes}) == 1 and all(n["workers_see_final"] for n in nodes)
+    samples = sum(n["samples"] for n in nodes)
+    seconds = max(n["train_seconds"] for n in nodes)
+    rate = samples / seconds if seconds > 0 else float("nan")
+    rounds = nodes[0]["rounds"]
+    _row("averaging", f"{rounds} rounds; node models equal after every round: {'yes' if equal else 'NO'}; "
+                      f"at the end: {'yes' if final else 'NO'} (checksums compared)")
+    _row("test accuracy", f"{result.test_accuracy:.1%}")
+    _row("samples/s", f"{rate:,.0f} (all nodes: {samples:,} samples in {seconds:.2f} s)")
+    _row("all-reduce", ", ".join(f"{n['allreduce_seconds']:.2f} s on node {n['rank']}" for n in nodes)
+         + " (waiting for slower nodes included)")
+    _row("elapsed", f"{elapsed:.1f} s")
+    report = {"dataset": data.describe(), "model": training.describe_model(result.model),
+              "hidden": list(_hidden(args.hidden)), "speedup": None, "elapsed_seconds": elapsed,
+              "backend": args.backend, "sync_every": args.sync_every, "nodes": nodes,
+              "test_accuracy": result.test_accuracy, "samples": samples, "samples_per_s": rate,
+              "models_equal_after_each_round": equal, "models_equal_at_end": final,
+              "runs": [result.to_json()]}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.plot:
+        plot([result], report, args.plot)
+        print(f"plot written to {args.plot}")
+
+
+def launch_local(args):
+    """``--nodes N``: run N node leaders on this machine over loopback; the worst exit status.
+
+    Each leader is ``python -m sharedmp demo`` with torchrun's variables (a free port on
+    127.0.0.1), in its own process group, and dies with this process. When one ends badly
+    the others get a grace period to notice and stop by themselves (each says which node it
+    lost), then are killed. Ctrl-C here is passed on to every leader.
+    """
+    from ..processes import pdeath
+    from ..training import STOP_GRACE
+    grace = args.dist_timeout + STOP_GRACE + 10
+    with socket.socket() as s:                     # a free port; another program may take it first
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    preexec = None
+    if pdeath.HAVE_PDEATHSIG and not pdeath.keep_orphans():
+        preexec = functools.partial(pdeath.arm, os.getpid(), False)
+    leaders = []
+    try:
+        for rank in range(args.nodes):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.nodes), LOCAL_RANK="0",
+                       LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            leaders.append(subprocess.Popen([sys.executable, "-m", "sharedmp", "demo", *_leader_argv(args)],
+                                            env=env, start_new_session=True, preexec_fn=preexec))
+        return _wait_leaders(leaders, grace)
+    except KeyboardInterrupt:
+        for p in leaders:
+            _signal_group(p, signal.SIGINT)
+        _wait_leaders(leaders, grace)
+        print("\ninterrupted: every node was stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        for p in leaders:                          # whatever happened: nothing left behind
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
+
+
+def _leader_argv(args):
+    """The options of this command, for each leader (paths made absolute)."""
+    argv = ["--workers", str(args.workers), "--epochs", str(args.epochs), "--optimizer", args.optimizer,
+            "--batch-size", str(args.batch_size), "--hidden", args.hidden, "--seed", str(args.seed),
+            "--nodes", str(args.nodes), "--sync-every", str(args.sync_every), "--backend", args.backend,
+            "--dist-timeout", repr(args.dist_timeout)]
+    for option, value in (("--lr", args.lr), ("--strategy", args.strategy)):
+        if value is not None:
+            argv += [option, str(value)]
+    for option, path in (("--data", args.data), ("--json", args.json), ("--plot", args.plot)):
+        if path:
+            argv += [option, os.path.abspath(path)]
+    return argv
+
+
+def _wait_leaders(leaders, grace):
+    """Wait for every leader; once one has failed, kill those still running after ``grace`` s."""
+    failed_at, reported = None, set()
+    while True:
+        running = [p.poll() is None for p in leaders]
+        for rank, p in enumerate(leaders):
+            if p.returncode not in (None, 0) and rank not in reported:
+                reported.add(rank)
+                failed_at = failed_at or time.monotonic()
+                later = f"; the other nodes have {grace:.0f} s to stop" if any(running) else ""
+                print(f"launcher: node {rank} (pid {p.pid}) {_how(p.returncode)}{later}",
+                      file=sys.stderr, flush=True)
+        if not any(running):
+            break
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            for rank, p in enumerate(leaders):
+                if p.poll() is None:
+                    print(f"launcher: node {rank} (pid {p.pid}) did not stop within {grace:.0f} s: "
+                          "killed", file=sys.stderr, flush=True)
+                    _signal_group(p, signal.SIGKILL)
+                    p.wait()
+                    reported.add(rank)
+        time.sleep(0.05)
+    codes = [p.returncode for p in leaders]
+    if all(c == 0 for c in codes):
+        return 0
+    if 130 in codes:
+        return 130
+    return 2 if all(c in (0, 2) for c in codes) else 1
+
+
+def _how(code):
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
+def _signal_group(proc, sig):
+    """Signal a leader and its workers (its process group), unless it has been reaped."""
+    if proc.poll() is not None:                    # reaped: its pid may be reused
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def plot(runs, report, path):
