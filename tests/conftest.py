@@ -124,6 +124,23 @@ def eventually(predicate, timeout=5.0):
     return ok
 
 
+def group_gone(pgid, wait=10):
+    """True once neither process ``pgid`` nor any of its group is left (polled up to ``wait`` s)."""
+    deadline = time.monotonic() + wait
+    while True:
+        for probe in (os.kill, os.killpg):
+            try:
+                probe(pgid, 0)
+                break
+            except ProcessLookupError:
+                pass
+        else:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
 def join_or_kill(proc, timeout=TIMEOUT):
     """Join ``proc``; kill it and fail if it is still running after ``timeout``."""
     proc.join(timeout)

@@ -17,6 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from sharedmp.cli import main  # noqa: E402
+from conftest import group_gone  # noqa: E402
 
 TIMEOUT = 90           # seconds for a CLI subprocess
 SHORT = ["--hidden", "32", "--epochs", "2"]
@@ -35,18 +36,6 @@ def run_cli(*args, timeout=TIMEOUT, env=None):
         pytest.fail(f"demo {' '.join(args)} did not finish within {timeout} s", pytrace=False)
     return proc.returncode, out, err
 
-
-def group_gone(pgid, wait=10):
-    """True once no process of group ``pgid`` is left (polled for up to ``wait`` s)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------- --data: what is wrong

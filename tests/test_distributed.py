@@ -23,6 +23,7 @@ import torch.distributed  # noqa: E402
 
 from sharedmp import distributed  # noqa: E402
 from sharedmp.cli import main  # noqa: E402
+from conftest import group_gone  # noqa: E402
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -48,22 +49,6 @@ def node_env(rank, world, port):
     return dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
-
-def group_gone(pgid, wait=10):
-    """True once neither process ``pgid`` nor any of its group is left (polled up to ``wait`` s)."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            os.kill(pgid, 0)
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
 
 
 class Group:
