@@ -9,13 +9,15 @@ The leak check fails a test that leaves behind, once it has ended:
 import gc
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import pytest
 
 import sharedmp as mp
-from sharedmp.memory import arena, segment
+from sharedmp.memory import arena, recycle, segment
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 TIMEOUT = 60  # seconds for any join/get in a test
@@ -88,6 +90,7 @@ def no_leaks(request):
     if request.node.get_closest_marker("leaks_ok"):
         return
     segment.forget_recent()     # the receiver's few recently attached arenas, kept on purpose
+    recycle.clear()             # segments this process made, kept for reuse on purpose
     gc.collect()
     deadline = time.monotonic() + 5
     while (left := shm_files() - shm_before) and time.monotonic() < deadline:
@@ -153,3 +156,15 @@ def join_or_kill(proc, timeout=TIMEOUT):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "leaks_ok: the test checks leaks itself")
+    # Named segments of this run (and of the processes it starts) go to a tmpfs directory
+    # of its own: the leak check must not count files of another run on the same machine.
+    if not os.environ.get(segment.SHM_DIR_ENV) and os.path.isdir("/dev/shm"):
+        config._sharedmp_shm_dir = tempfile.mkdtemp(prefix="sharedmp-tests-", dir="/dev/shm")
+        os.environ[segment.SHM_DIR_ENV] = config._sharedmp_shm_dir
+
+
+def pytest_unconfigure(config):
+    directory = getattr(config, "_sharedmp_shm_dir", None)
+    if directory:
+        os.environ.pop(segment.SHM_DIR_ENV, None)
+        shutil.rmtree(directory, ignore_errors=True)

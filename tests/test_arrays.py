@@ -7,6 +7,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
+from sharedmp.memory import recycle
 
 SHAPES = [
     (5, (5,)), ((2, 3), (2, 3)), ([4, 1, 2], (4, 1, 2)), (np.int64(7), (7,)),
@@ -186,4 +187,7 @@ def test_big_array_memory_and_fd_go_with_last_view():
     assert _fds_and_maps(key) == (fds, maps)              # the view keeps it
     del v
     gc.collect()
+    kept_fds, kept_maps = _fds_and_maps(key)                # kept for reuse: the fd it sent is closed
+    assert len(kept_fds) == len(fds) - 1 and kept_maps == maps and recycle.kept()[0] >= 1
+    recycle.clear()
     assert _fds_and_maps(key) == ([], [])

@@ -107,8 +107,8 @@ def test_same_array_twice_same_pointer_and_back_home_same_memory():
 
 
 def _shm_entries():
-    """sharedmp's names in /dev/shm (multiprocessing's sem.mp-* of the Events are not ours)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(segment.PREFIX)}
+    """sharedmp's names in the shared-memory directory (multiprocessing's sem.mp-* are not ours)."""
+    return {n for n in os.listdir(segment.shm_dir()) if n.startswith(segment.PREFIX)}
 
 
 def _memfd_fds():

@@ -17,7 +17,7 @@ import pytest
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
 from sharedmp.errors import OutOfSharedMemory, SegmentError
-from sharedmp.memory import segment
+from sharedmp.memory import recycle, segment
 
 import _workers as w
 from conftest import eventually
@@ -58,7 +58,7 @@ def test_memfd_segment_is_sealed_sized_and_anonymous():
         os.ftruncate(seg.fd, 4096)                             # no one can shrink it
     with pytest.raises(PermissionError):
         os.ftruncate(seg.fd, 1 << 20)                          # nor grow it
-    mm[:5] = b"hello"
+    mm[:5] = np.frombuffer(b"hello", np.uint8)          # a lease: a uint8 array over the mmap
     assert os.pread(seg.fd, 5, 0) == b"hello"
     assert segment.segment_of(mm) is seg and seg in segment.live_segments()
 
@@ -76,9 +76,11 @@ def test_last_view_releases_fd_and_mapping():
     assert _fds_to(key) and _mapped(key)
     del view2
     gc.collect()
-    assert not _fds_to(key), "fd of the segment still open after its last view died"
-    assert not _mapped(key), "segment still mapped after its last view died"
     assert seg.fd == -1 and seg not in segment.live_segments()
+    assert recycle.kept()[0] >= 1 and _mapped(key)        # kept, mapped, for reuse by this process
+    recycle.clear()
+    assert not _fds_to(key), "fd of the segment still open after it was let go"
+    assert not _mapped(key), "segment still mapped after it was let go"
 
 
 def test_attach_fd_of_own_segment_is_the_same_mapping():

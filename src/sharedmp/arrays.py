@@ -33,21 +33,26 @@ def _plain_dtype(dtype):
 
 
 def empty(shape, dtype=float, order="C"):
-    """A shared array of ``shape`` and ``dtype``; its contents are zero (fresh memory)."""
+    """A shared array of ``shape`` and ``dtype``; its contents are zero (as ``zeros``:
+    fresh memory is zero, and recycled memory is zeroed at about memset speed)."""
+    return _new(shape, dtype, order, True)
+
+
+def _new(shape, dtype, order, zero):
     shape, dtype = _shape(shape), _plain_dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    mapping, offset = arena.allocate(nbytes, get_sharing_strategy())
+    mapping, offset = arena.allocate(nbytes, get_sharing_strategy(), zero)
     return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order=order)
 
 
 def zeros(shape, dtype=float, order="C"):
-    """A shared array of zeros (memory is never handed out twice, so it is already zero)."""
+    """A shared array of zeros."""
     return empty(shape, dtype, order)
 
 
 def full(shape, fill_value, dtype=None, order="C"):
     """A shared array filled with ``fill_value``."""
-    a = empty(shape, np.array(fill_value).dtype if dtype is None else dtype, order)
+    a = _new(shape, np.array(fill_value).dtype if dtype is None else dtype, order, False)
     a[...] = fill_value
     return a
 
@@ -84,6 +89,8 @@ def mapping_of(a):
     root = a
     for _ in range(1000):          # base chains are short; the bound only guards odd objects
         if isinstance(root, np.ndarray):
+            if type(root.base) is memoryview and segment.segment_of(root) is not None:
+                break                 # a lease: what a segment this process made is viewed through
             root = root.base
         elif isinstance(root, memoryview):
             root = root.obj
@@ -113,9 +120,9 @@ def copy_to_shared(a):
     _plain_dtype(a.dtype)
     lo, end = _extent(a.shape, a.strides, a.itemsize)
     if end - lo > 2 * a.nbytes + 4096:   # e.g. a[::1000]: copy the elements, not the gaps
-        out = empty(a.shape, a.dtype)
-    else:
-        mapping, offset = arena.allocate(end - lo, get_sharing_strategy())
+        out = _new(a.shape, a.dtype, "C", False)
+    else:                                # gaps between the elements are zeroed, not left as they were
+        mapping, offset = arena.allocate(end - lo, get_sharing_strategy(), end - lo != a.nbytes)
         out = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=offset - lo, strides=a.strides)
     np.copyto(out, a, casting="no")
     if not a.flags.writeable:

@@ -5,9 +5,10 @@ process carves arrays below ``SMALL_LIMIT`` out of the current ``ARENA_SIZE`` ar
 its strategy with a 64-byte aligned bump pointer, so 10,000 small arrays cost a handful
 of segments, and a message that references many of them carries one fd per arena.
 
-A region is never handed out twice: other processes may still see it and there is no
-cheap cross-process free. The price: one live small array keeps its whole arena
-(at most ``ARENA_SIZE`` bytes) alive. Fresh memory is zero, so ``zeros`` needs no fill.
+A region is never handed out twice while its arena lives: other processes may still see
+it and there is no cheap cross-process free. The price: one live small array keeps its
+whole arena (at most ``ARENA_SIZE`` bytes) alive. A whole arena is reused (``recycle.py``)
+once no process holds it any more, zeroed again, so ``zeros`` needs no fill.
 """
 import os
 import threading
@@ -36,10 +37,13 @@ _current = {}              # strategy -> its current _Arena
 _lock = threading.Lock()
 
 
-def allocate(nbytes, kind):
-    """Fresh zeroed shared memory: (mapping, offset) with ``nbytes`` bytes at offset."""
+def allocate(nbytes, kind, zero=True):
+    """Shared memory no one else uses: (mapping, offset) with ``nbytes`` bytes at offset.
+
+    Zeroed, unless ``zero`` is false (the caller overwrites every byte): then a big
+    recycled segment keeps its old contents. Arenas are always zeroed when reused."""
     if nbytes >= SMALL_LIMIT:
-        return segment.create(nbytes, kind)[1], 0
+        return segment.create(nbytes, kind, zero)[1], 0
     where = _where(kind)
     with _lock:
         arena = _current.get(kind)

@@ -3,6 +3,7 @@
 A segment is created by one process and attached by others::
 
     create(size, "file_descriptor")   memfd_create -> posix_fallocate -> seal -> mmap
+                                      (or one this process made before and no one holds: recycle.py)
     create(size, "file_system")       open(O_CREAT|O_EXCL, 0600) in SHM_DIR -> fallocate -> mmap
     attach_fd(fd)                     fstat (identity, size, seals) -> mmap, once per process
     attach_name(name)                 open(name) -> fstat -> mmap -> close, once per process
@@ -10,7 +11,9 @@ A segment is created by one process and attached by others::
 The mapping is a ``mmap.mmap``; NumPy arrays view it (``ndarray(buffer=mm)``), so the
 mapping lives exactly as long as some view does. A ``weakref.finalize`` on the mapping
 then releases what the segment still owns: its fd, and for a named segment, this
-process's hold on the name. Names are unlinked by the manager daemon (``manager.py``,
+process's hold on the name. A memfd segment this process created is viewed through a
+uint8 ndarray over its mmap instead (the "lease"): when the lease goes, the mmap stays,
+and the segment goes to ``recycle`` to be handed out again once no other process holds it. Names are unlinked by the manager daemon (``manager.py``,
 ``daemon.py``) once no process holds them and no message carries them, never by a
 process that merely attached (the mistake of CPython 3.11's shared_memory, gh-82300).
 
@@ -35,8 +38,10 @@ import threading
 import time
 import weakref
 
+import numpy as np
+
 from ..errors import OutOfSharedMemory, SegmentError
-from . import manager
+from . import manager, recycle
 
 HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
@@ -58,9 +63,9 @@ class Segment:
     """What this process knows of one segment; the mapping itself is held by the arrays."""
 
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
-                 "__weakref__")
+                 "reused", "recycle", "__weakref__")
 
-    def __init__(self, kind, key, size, fd, name, mm, owner, path=None):
+    def __init__(self, kind, key, size, fd, name, mm, owner, path=None, recycle=None, reused=False):
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
@@ -70,6 +75,8 @@ class Segment:
         self.owner_pid = os.getpid() if owner else None
         self.mapping = weakref.ref(mm)
         self.address = _address(mm)
+        self.recycle = recycle    # (mmap, private fd) of a memfd segment this process made
+        self.reused = reused      # its memory held data before (recycled)
 
     def __repr__(self):
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
@@ -133,6 +140,12 @@ def _release(seg, mapping_id):
     if seg.fd >= 0:
         fd, seg.fd = seg.fd, -1
         os.close(fd)
+    if seg.recycle is not None:
+        (mm, private), seg.recycle = seg.recycle, None
+        if seg.owner_pid == os.getpid():
+            recycle.give(seg.size, mm, private)
+        else:                       # inherited by fork: the parent reuses it, not this child
+            os.close(private)
     if seg.path is not None:
         manager.dropped(seg.path)     # the daemon unlinks once no one holds it
 
@@ -260,22 +273,26 @@ def format_size(n):
         n /= 1024
 
 
-def create(size, kind):
-    """A new segment of ``size`` bytes, mapped here; returns (segment, mapping)."""
+def create(size, kind, zero=True):
+    """A segment of ``size`` bytes, mapped here; returns (segment, mapping).
+
+    Its memory is zero unless ``zero`` is false and it is recycled (``seg.reused``)."""
     if size <= 0:
         raise ValueError(f"segment size must be > 0, not {size}")
-    # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
-    # instead of failing. A fresh reading for big requests, a recent one for small.
-    avail = available_memory() if size >= 16 << 20 else _available_memory_cached()
-    if avail is not None and size > avail:
-        raise OutOfSharedMemory(
-            f"cannot reserve {format_size(size)} of shared memory: this machine has only "
-            f"{format_size(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
-            "Use smaller arrays, free memory, or allocate in chunks.")
     if kind not in ("file_descriptor", "file_system"):
         raise ValueError(f"unknown segment kind {kind!r}")
+    if kind == "file_descriptor":
+        reused = recycle.take(size)
+        if reused is not None:
+            return _adopt_memfd(size, *reused, reused=True, zero=zero)
     try:
-        return _create_memfd(size) if kind == "file_descriptor" else _create_named(size)
+        try:
+            return _create(size, kind)
+        except (OutOfSharedMemory, OSError) as e:
+            if not recycle.kept()[0] or not (isinstance(e, OutOfSharedMemory) or e.errno == errno.EMFILE):
+                raise
+        recycle.clear()             # the segments kept for reuse hold memory and fds: without them
+        return _create(size, kind)
     except OSError as e:            # limits of this process, said with the setting to change
         if e.errno == errno.EMFILE:
             raise _too_many_files("create") from None
@@ -284,6 +301,18 @@ def create(size, kind):
                                     "address space is exhausted (`ulimit -v`, RLIMIT_AS) or it has too "
                                     "many mappings (vm.max_map_count)") from None
         raise
+
+
+def _create(size, kind):
+    # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
+    # instead of failing. A fresh reading for big requests, a recent one for small.
+    avail = available_memory() if size >= 16 << 20 else _available_memory_cached()
+    if avail is not None and size > avail:
+        raise OutOfSharedMemory(
+            f"cannot reserve {format_size(size)} of shared memory: this machine has only "
+            f"{format_size(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
+            "Use smaller arrays, free memory, or allocate in chunks.")
+    return _create_memfd(size) if kind == "file_descriptor" else _create_named(size)
 
 
 def _too_many_files(what):
@@ -300,14 +329,34 @@ def _create_memfd(size):
         _reserve(fd, size, "an anonymous memfd segment",
                  "Free memory or use smaller arrays; memfd memory counts against RAM and the cgroup limit.")
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        st = os.fstat(fd)
         mm = _map(fd, size)
     except BaseException:
         os.close(fd)
         raise
-    seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, fd, None, mm, owner=True)
-    _register(seg, mm)
-    return seg, mm
+    return _adopt_memfd(size, mm, fd, reused=False, zero=False)
+
+
+def _adopt_memfd(size, mm, private, reused, zero):
+    """Register a memfd segment made (or recycled) here, mapped as ``mm`` through ``private``.
+
+    Arrays view it through a lease (see the module docstring); the fd it sends is a second
+    open file description that tells ``recycle`` whether other processes still hold it.
+    """
+    try:
+        shared, recyclable = recycle.shared_fd(private)
+    except BaseException:
+        os.close(private)
+        raise
+    st = os.fstat(private)
+    lease = np.frombuffer(mm, np.uint8)
+    seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, shared, None, lease, owner=True,
+                  recycle=(mm, private) if recyclable else None, reused=reused)
+    if not recyclable:
+        os.close(private)
+    if zero and reused:
+        lease.fill(0)
+    _register(seg, lease)
+    return seg, lease
 
 
 def _create_named(size):

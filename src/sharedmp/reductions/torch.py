@@ -158,7 +158,7 @@ def _move(storage, nbytes, ptr):
             else:
                 storage._share_fd_cpu_()
             return None
-        mm, offset = arena.allocate(nbytes, get_sharing_strategy())
+        mm, offset = arena.allocate(nbytes, get_sharing_strategy(), zero=False)   # memmove'd over
         seg = _segment_of(mm)
         if _KEEP_BY_ATTRIBUTE:
             shared = _construct(seg.address + offset, _cpu, nbytes)

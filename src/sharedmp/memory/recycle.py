@@ -1,0 +1,144 @@
+"""Recycling: a process reuses the memfd segments it made once no other process holds them.
+
+Fresh shared memory is slow: the kernel allocates and zeroes every 4 KiB page, then
+faults it into each mapping (about 1.4 GB/s on the development machine, against about
+24 GB/s for writing pages that are already mapped). A producer that sends a fresh array
+per message pays that for every message. So the creator of a memfd segment keeps it,
+mapped, once its last view is gone, and hands it out again as soon as no other process
+can see it any more.
+
+"No other process can see it" is told by the kernel through flock(2). A flock belongs to
+an open file description (OFD) and lasts until the OFD's last reference is gone: an fd
+in any process (dup, fork and SCM_RIGHTS share the OFD), a message in flight in a
+socket, or a mapping. So a creator opens its memfd twice:
+
+- ``private``: the OFD it maps the segment through; it is never sent;
+- ``shared``: a second OFD of the same memfd (opened through /proc/self/fd) holding
+  LOCK_SH. This is the fd that travels; every fd, mapping and message in flight in
+  other processes refers to it.
+
+When the creator's last view goes it closes its own fd of ``shared`` and gives the
+segment here. ``flock(private, LOCK_EX | LOCK_NB)`` then succeeds exactly when no
+reference to ``shared`` is left anywhere, and only then is the segment handed out again,
+with a new ``shared`` OFD. Reused memory keeps its old contents; ``segment.create``
+zeroes it unless the caller overwrites it anyway.
+
+Bounds: ``$SHAREDMP_RECYCLE_BYTES`` (default 256 MiB, 0 turns recycling off) for all the
+segments kept, a quarter of it for one segment, and a few fds (two per segment kept).
+"""
+import collections
+import fcntl
+import os
+import threading
+
+ENV = "SHAREDMP_RECYCLE_BYTES"
+DEFAULT_LIMIT = 256 << 20
+MAX_ENTRIES = 16
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_lock = threading.RLock()       # an RLock: give() runs in finalizers, which may run inside take()
+_entries = collections.deque()  # [size, mapping, private fd], oldest first
+_total = 0
+_limit = None
+
+
+def limit():
+    """Bytes of segments kept for reuse at most ($SHAREDMP_RECYCLE_BYTES, read once)."""
+    global _limit
+    if _limit is None:
+        try:
+            _limit = max(0, int(os.environ.get(ENV, DEFAULT_LIMIT)))
+        except ValueError:
+            raise ValueError(f"${ENV} must be a number of bytes (0 turns recycling off), "
+                             f"not {os.environ[ENV]!r}") from None
+    return _limit
+
+
+def shared_fd(private):
+    """A second OFD of the memfd ``private``, holding LOCK_SH: the fd that is sent.
+
+    Without /proc (or with recycling off) a plain dup: the segment is then never reused.
+    Returns (fd, recyclable).
+    """
+    if limit():
+        try:
+            fd = os.open(f"/proc/self/fd/{private}", os.O_RDWR | _O_CLOEXEC)
+        except OSError:
+            pass
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return fd, True
+            except OSError:
+                os.close(fd)
+    return os.dup(private), False
+
+
+def give(size, mapping, private):
+    """The creator has no view of this segment left (and closed its ``shared`` fd): keep it."""
+    global _total
+    if size > limit() // 4:
+        os.close(private)
+        return
+    with _lock:
+        _entries.append([size, mapping, private])
+        _total += size
+        while _total > limit() or len(_entries) > MAX_ENTRIES:
+            _drop(_entries.popleft())
+
+
+def take(size):
+    """(mapping, private fd) of a kept segment of ``size`` bytes that no other process holds, or None."""
+    with _lock:
+        for entry in _entries:
+            if entry[0] != size:
+                continue
+            try:
+                fcntl.flock(entry[2], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:       # another process (or a message in flight) still holds it
+                continue
+            fcntl.flock(entry[2], fcntl.LOCK_UN)
+            _entries.remove(entry)
+            _forget(entry)
+            return entry[1], entry[2]
+    return None
+
+
+def kept():
+    """(segments, bytes) kept for reuse now."""
+    with _lock:
+        return len(_entries), _total
+
+
+def clear():
+    """Let every kept segment go (before a big allocation fails, in tests, on demand)."""
+    with _lock:
+        while _entries:
+            _drop(_entries.popleft())
+
+
+def _forget(entry):
+    global _total
+    _total -= entry[0]
+
+
+def _drop(entry):
+    _forget(entry)
+    os.close(entry[2])
+    entry[1] = None               # the mapping goes with its last reference
+
+
+def _after_fork_in_child():
+    # The parent reuses these segments; a child must not write into them (nor hold their fds).
+    global _lock, _total
+    _lock = threading.RLock()
+    for entry in _entries:
+        try:
+            os.close(entry[2])
+        except OSError:
+            pass
+    _entries.clear()
+    _total = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
