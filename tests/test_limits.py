@@ -4,6 +4,7 @@ Each case runs in a fresh subprocess that lowers its own limit, then does ordina
 work; it must end in success or in a clear exception that names the setting to change,
 never in a crash (a signal) or a hang (the subprocess is bounded).
 """
+import errno
 import json
 import os
 import shutil
@@ -139,6 +140,19 @@ def _memory_cgroup(limit):
     pytest.skip("no writable memory cgroup here (needs root and cgroup v1 or v2 with the memory controller)")
 
 
+def _rmdir_when_empty(path, wait=10):
+    # Under file_system the program's manager daemon lives in the cgroup too, and exits
+    # within about 2 s of its last client (EBUSY until then).
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return os.rmdir(path)
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
 def test_memory_cgroup(strategy):
     path = _memory_cgroup(256 << 20)
@@ -152,6 +166,6 @@ def test_memory_cgroup(strategy):
             attempt("64 MiB", lambda: mp.empty(64 << 20, np.uint8)[::4096].fill(1))
         """, strategy, path)
     finally:
-        os.rmdir(path)
+        _rmdir_when_empty(path)
     assert out["small"] == "ok" and out["64 MiB"] == "ok", out
     assert out["512 MiB"].startswith("OutOfSharedMemory") and "cgroup" in out["512 MiB"], out

@@ -13,7 +13,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
-from sharedmp.memory import arena, segment
+from sharedmp.memory import arena, recycle, segment
 
 import _workers as w
 from conftest import TIMEOUT, join_or_kill
@@ -158,6 +158,7 @@ def test_file_descriptor_leaves_nothing_behind(method):
     del arrays, got
     segment.forget_recent()        # a receiver keeps its last few arenas mapped on purpose
     gc.collect()
+    recycle.clear()                # and a creator the segments it may reuse
     keep = _arena_inodes()
     assert _memfd_fds() - fds_before <= keep, "segment fds left after the arrays died"
     assert _memfd_maps() - maps_before <= keep, "segment mappings left after the arrays died"
