@@ -145,3 +145,8 @@ def slow_exit_initializer(seconds):
     """Pool initializer: the worker takes ``seconds`` to exit (after its last task)."""
     from multiprocessing import util
     util.Finalize(None, time.sleep, (seconds,), exitpriority=100)
+
+
+def raise_long(i, n):
+    """Raise with a message of ``n`` characters (a traceback longer than a pipe's buffer)."""
+    raise RuntimeError("start " + "x" * n + " end of the long message")

@@ -262,7 +262,8 @@ def test_keep_orphans_rejects_unknown_values(monkeypatch):
 # -- spawn() / start_processes() -------------------------------------------------------------
 
 def _no_error_dir(ctx):
-    return not any(os.path.exists(os.path.dirname(f)) for f in ctx.error_files)
+    """The tracebacks' pipes are closed (nothing of them is left in the file system, ever)."""
+    return all(conn.closed for conn in ctx.error_pipes)
 
 
 def test_spawn_runs_fn_with_index_and_args():
@@ -339,6 +340,17 @@ def test_join_timeout_false_while_running_then_true(tmp_path):
     finally:
         for p in ctx.processes:
             join_or_kill(p)
+
+
+def test_a_traceback_longer_than_a_pipe_buffer_is_shortened_not_a_hang():
+    import tempfile
+    before = set(os.listdir(tempfile.gettempdir()))
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        mp.start_processes(w.raise_long, args=(300_000,), nprocs=2, start_method="fork")
+    text = str(info.value)
+    assert "traceback shortened" in text and "end of the long message" in text
+    assert "Traceback (most recent call last)" in text and len(text) < 40_000
+    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("sharedmp-")]
 
 
 def test_nonzero_sys_exit_is_an_exit_code():

@@ -3,15 +3,14 @@
 Adapted from torch/multiprocessing/spawn.py; changed:
 - the children are Processes of sharedmp's contexts, so they start with the parent's
   sharing strategy and die with the parent (``pdeath.py``; torch's wrapper sets SIGINT);
-- a child's traceback goes to a file of one private temporary directory, written whole
-  (rename) and removed with the directory once the context is done (torch leaves them);
+- a child's traceback comes back through a pipe of its own, not a file: nothing is left
+  in /tmp, even when the parent is killed (torch leaves its files);
 - if starting the k-th child fails, the children already started are killed;
 - bad ``fn``/``nprocs``/``start_method`` raise before anything starts;
 - ``join()`` after a failure raises the same exception again.
 """
 import multiprocessing.connection
 import operator
-import os
 import signal
 import sys
 import warnings
@@ -22,8 +21,13 @@ from ..errors import ProcessExitedException, ProcessRaisedException
 _TERM_WAIT = 30          # seconds between SIGTERM and SIGKILL when no grace_period is given
 
 
-def _wrap(fn, i, args, error_file):
-    """(in the child) fn(i, *args); an exception's traceback goes to ``error_file``."""
+# The parent reads a traceback only once the child has ended, so what the child writes
+# must fit in the pipe's buffer (64 KiB on Linux): a longer one keeps its start and its end.
+_TRACE_HEAD, _TRACE_TAIL = 4096, 28672
+
+
+def _wrap(fn, i, args, error_conn):
+    """(in the child) fn(i, *args); an exception's traceback goes to ``error_conn``."""
     try:
         fn(i, *args)
     except KeyboardInterrupt:
@@ -31,29 +35,26 @@ def _wrap(fn, i, args, error_file):
     except Exception:
         import traceback
         text = traceback.format_exc()
+        data = text.encode("utf-8", "replace")
+        if len(data) > _TRACE_HEAD + _TRACE_TAIL:
+            data = data[:_TRACE_HEAD] + b"\n[... traceback shortened ...]\n" + data[-_TRACE_TAIL:]
         try:
-            tmp = error_file + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, error_file)     # the parent never reads half a traceback
-        except OSError:                     # the parent has gone and removed the directory
+            error_conn.send_bytes(data)
+        except OSError:                     # the parent has gone
             sys.stderr.write(text)
         sys.exit(1)
+    finally:
+        error_conn.close()
 
 
 class ProcessContext:
     """The children of one start_processes() call: ``join()`` them, ``pids()``."""
 
-    def __init__(self, processes, error_files, error_dir=None):
+    def __init__(self, processes, error_pipes):
         self.processes = processes
-        self.error_files = error_files
+        self.error_pipes = error_pipes      # the read ends: a failing child's traceback
         self.sentinels = {p.sentinel: i for i, p in enumerate(processes)}
         self._failure = None
-        self._remove_dir = None
-        if error_dir is not None:
-            import shutil
-            import weakref
-            self._remove_dir = weakref.finalize(self, shutil.rmtree, error_dir, ignore_errors=True)
 
     def pids(self):
         """The children's pids, by index."""
@@ -103,11 +104,12 @@ class ProcessContext:
 
     def _exception(self, i):
         pid = self.processes[i].pid
+        trace = None
         try:
-            with open(self.error_files[i], encoding="utf-8") as f:
-                trace = f.read()
-        except OSError:
-            trace = None
+            if self.error_pipes[i].poll():
+                trace = self.error_pipes[i].recv_bytes().decode("utf-8", "replace")
+        except (EOFError, OSError):          # killed before or while writing it
+            pass
         if trace is not None:
             return ProcessRaisedException(
                 f"\n\n-- Process {i:d} terminated with the following error:\n{trace}", i, pid)
@@ -125,8 +127,8 @@ class ProcessContext:
                                       i, pid, exit_code=code, signal_name=name)
 
     def _done(self):
-        if self._remove_dir is not None:
-            self._remove_dir()
+        for conn in self.error_pipes:
+            conn.close()
 
 
 def _join_all(processes, timeout):
@@ -150,25 +152,26 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     ctx = get_context(start_method)        # ValueError naming the valid start methods
     args = tuple(args)
 
-    import shutil
-    import tempfile
-    error_dir = tempfile.mkdtemp(prefix="sharedmp-spawn-")
-    processes, error_files = [], []
+    processes, error_pipes = [], []
     try:
         for i in range(nprocs):
-            error_file = os.path.join(error_dir, f"{i}.err")
-            p = ctx.Process(target=_wrap, args=(fn, i, args, error_file), daemon=daemon)
-            p.start()                       # spawn: an unpicklable fn or args raises here
+            reader, writer = multiprocessing.connection.Pipe(duplex=False)
+            error_pipes.append(reader)
+            try:
+                p = ctx.Process(target=_wrap, args=(fn, i, args, writer), daemon=daemon)
+                p.start()                   # spawn: an unpicklable fn or args raises here
+            finally:
+                writer.close()              # the child has its own; EOF once it is gone
             processes.append(p)
-            error_files.append(error_file)
     except BaseException:
         for p in processes:
             p.kill()
         for p in processes:
             p.join()
-        shutil.rmtree(error_dir, ignore_errors=True)
+        for conn in error_pipes:
+            conn.close()
         raise
-    context = ProcessContext(processes, error_files, error_dir)
+    context = ProcessContext(processes, error_pipes)
     if not join:
         return context
     while not context.join():
