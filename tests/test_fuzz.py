@@ -18,9 +18,11 @@ import fcntl
 import gc
 import os
 import pickle
+import re
 import secrets
 import socket
 import stat
+import struct
 import tempfile
 
 import numpy as np
@@ -186,12 +188,12 @@ def frames(draw):
         st.integers(2 ** 63, 2 ** 64 - 1)))
     magic = mostly(draw, st.just(MAGIC), st.binary(min_size=2, max_size=2), one_in=10)
     version = mostly(draw, st.just(VERSION), st.integers(0, 255), one_in=10)
-    flags = draw(st.integers(0, 255))
+    flags = mostly(draw, st.just(0), st.integers(1, 255), one_in=4)
     cut = mostly(draw, st.none(), st.integers(1, HEADER.size - 1), one_in=10)
     return obj, payload, with_header, nfds, batches, length, magic, version, flags, cut
 
 
-def frame_oracle(payload, with_header, nfds, batches, length, magic, version, cut):
+def frame_oracle(payload, with_header, nfds, batches, length, magic, version, flags, cut):
     """(kind, pattern-or-value): what recv() must do, following the protocol step by step."""
     if cut is not None:
         return mp.ProtocolError, r"middle of a frame \(header\)"
@@ -213,6 +215,10 @@ def frame_oracle(payload, with_header, nfds, batches, length, magic, version, cu
     if len(stream) < length:
         return mp.ProtocolError, r"middle of a frame \(payload\)"
     body = stream[:length]
+    if flags == 1:                    # an array frame (encode_array): a pickle is never a valid one
+        return OSError, r"array (frame|header)|does not fit|segment"
+    if flags:
+        return mp.ProtocolError, "unknown flags"
     if not body:
         return mp.ProtocolError, "ends before its pickle does"
     try:
@@ -238,7 +244,7 @@ def test_frame_decoder(frame):
             if payload:
                 chunks.append((payload, []))
         outcome, before = exchange(chunks)
-        kind, expected = frame_oracle(payload, with_header, nfds, batches, length, magic, version, cut)
+        kind, expected = frame_oracle(payload, with_header, nfds, batches, length, magic, version, flags, cut)
         event(kind if kind == "ok" else f"{kind.__name__}: {expected}")
         if kind == "ok":
             expect(outcome, "ok", value=expected)
@@ -324,14 +330,60 @@ def test_array_header_over_a_real_segment(header):
     event(expected)
     fd = sealed_memfd(size)
     try:
-        payload = pickle.dumps(Array(InBand(0), offset, shape, strides, dtype, readonly), pickle.HIGHEST_PROTOCOL)
-        outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, 0, 1, len(payload)) + payload, [fd])])
+        pickled = pickle.dumps(Array(InBand(0), offset, shape, strides, dtype, readonly), pickle.HIGHEST_PROTOCOL)
+        forms = [(0, pickled)]
+        binary = array_frame(offset, shape, strides, dtype, readonly)
+        if binary is not None:        # the same header as an array frame (a message of one array)
+            forms.append((1, binary))
+        for flags, payload in forms:
+            outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, flags, 1, len(payload)) + payload, [fd])])
+            what, got = outcome
+            if expected != "ok":
+                expect(outcome, mp.SegmentError, expected)
+            else:
+                assert what == "ok", f"honest header {header} refused: {got!r}"
+                check_view(got, fd, size, offset, shape, strides, dtype, readonly)
+            del got, outcome
+            assert_no_fd_left(before, fd)
+    finally:
+        os.close(fd)
+
+
+def array_frame(offset, shape, strides, dtype, readonly):
+    """The payload encode_array would write for this header, or None if it has no such form."""
+    ints = [offset, *shape, *strides]
+    if not (all(type(x) is int for x in ints) and type(shape) is tuple and len(shape) == len(strides) <= 255
+            and 0 <= offset < 2 ** 64 and all(-2 ** 63 <= x < 2 ** 63 for x in ints[1:])
+            and isinstance(dtype, str) and dtype.isascii() and len(dtype) <= 255):
+        return None
+    n = len(shape)
+    return (struct.pack("<QBB?", offset, n, len(dtype), readonly) + dtype.encode()
+            + struct.pack(f"<{2 * n}q", *shape, *strides))
+
+
+@SETTINGS
+@given(st.binary(max_size=80), st.integers(0, 2), st.integers(0, 3))
+def test_array_frame_bytes(payload, nfds, mangle):
+    """Arbitrary bytes (or an honest array frame with bytes flipped) under the array flag: an
+    exception naming the problem, or an array inside the segment; never a crash or an fd left."""
+    fd = sealed_memfd(4096)
+    try:
+        if mangle:                    # an honest frame, then the drawn bytes written over its start
+            honest = array_frame(64, (4, 8), (64, 8), "<f8", False)
+            payload = payload[:len(honest)] + honest[len(payload):] if mangle == 1 else honest + payload
+        outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, 1, nfds, len(payload)) + payload, [fd] * nfds)])
         what, got = outcome
-        if expected != "ok":
-            expect(outcome, mp.SegmentError, expected)
+        if what == "ok":
+            assert nfds == 1
+            seg = next(x for x in segment.live_segments() if x.key[1] == os.fstat(fd).st_ino)
+            if got.size and got.itemsize:
+                start = got.__array_interface__["data"][0]
+                low = start + sum((n - 1) * s for n, s in zip(got.shape, got.strides) if s < 0)
+                high = start + sum((n - 1) * s for n, s in zip(got.shape, got.strides) if s > 0) + got.itemsize
+                assert seg.address <= low and high <= seg.address + seg.size, "a view outside the mapping"
         else:
-            assert what == "ok", f"honest header {header} refused: {got!r}"
-            check_view(got, fd, size, offset, shape, strides, dtype, readonly)
+            assert isinstance(got, (mp.ProtocolError, mp.SegmentError)), repr(got)
+            assert re.search(r"array (frame|header)|does not fit|segment", str(got)), str(got)
         del got, outcome
         assert_no_fd_left(before, fd)
     finally:

@@ -14,6 +14,8 @@ from .strategy import get_sharing_strategy
 
 
 def _shape(shape):
+    if type(shape) is int and shape >= 0:        # the common case, first: this runs per array
+        return (shape,)
     if isinstance(shape, int):
         shape = (shape,)
     elif type(shape) is not tuple or not all(type(n) is int for n in shape):
@@ -24,12 +26,24 @@ def _shape(shape):
     return shape
 
 
+_checked = {}     # a dtype argument seen before (float, "f4", np.float32, ...) -> its np.dtype
+
+
 def _plain_dtype(dtype):
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise TypeError(f"dtype {dtype} holds Python objects, which cannot live in shared memory; "
+    try:
+        return _checked[dtype]
+    except (KeyError, TypeError):      # TypeError: unhashable, e.g. a list of fields
+        pass
+    checked = np.dtype(dtype)
+    if checked.hasobject:
+        raise TypeError(f"dtype {checked} holds Python objects, which cannot live in shared memory; "
                         "use a numeric, bool, string or structured dtype without objects")
-    return dtype
+    if len(_checked) < 256:
+        try:
+            _checked[dtype] = checked
+        except TypeError:
+            pass
+    return checked
 
 
 def empty(shape, dtype=float, order="C"):

@@ -23,7 +23,10 @@ import select
 import socket
 from multiprocessing.reduction import DupFd, ForkingPickler
 
+import numpy as np
+
 from ..errors import ProtocolError
+from ..reductions.ndarray import decode_array, encode_array, reduce_ndarray
 from . import fdpass
 
 SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
@@ -50,8 +53,17 @@ def reducers_changed():
     _Pickler._source = None
 
 
+FLAG_ARRAY = 1     # the payload is ``encode_array``'s header, not a pickle
+
+
 def dumps(obj):
-    """(payload, fds) of ``obj``: the pickled bytes and the fds it references (borrowed)."""
+    """(payload, fds, flags) of ``obj``: its bytes (a pickle, or for an array alone a fixed
+    header), the fds it references (borrowed) and the frame's flags."""
+    if type(obj) is np.ndarray and ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
+        fds = fdpass.Fds()
+        payload = encode_array(obj, fds)
+        if payload is not None:
+            return payload, fds, FLAG_ARRAY
     oob = fdpass.OutOfBand()
     prev = fdpass.swap(oob)
     try:
@@ -60,11 +72,19 @@ def dumps(obj):
         _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     finally:
         fdpass.swap(prev)
-    return buf.getbuffer(), oob.fds
+    return buf.getbuffer(), oob.fds, 0
 
 
-def loads(payload, fds):
+def loads(payload, fds, flags=0):
     """The object of a received frame; closes the received fds whatever happens."""
+    if flags:
+        try:
+            if flags == FLAG_ARRAY:
+                return decode_array(payload, fds)
+            raise ProtocolError(f"frame with unknown flags {flags:#x}: the peer is a newer or "
+                                "another program, or the stream is corrupt")
+        finally:
+            fdpass.close_all(fds)
     prev = fdpass.swap(fdpass.OutOfBand(fds))
     try:
         return pickle.loads(payload)
@@ -140,13 +160,12 @@ class Connection:
     def send(self, obj):
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
         sock = self._check(write=True)
-        payload, fds = dumps(obj)
-        fdpass.send_frame(sock, payload, fds)
+        payload, fds, flags = dumps(obj)
+        fdpass.send_frame(sock, payload, fds, flags)
 
     def recv(self):
         """Receive an object sent with send()."""
-        payload, fds, _ = fdpass.recv_frame(self._check(read=True))
-        return loads(payload, fds)
+        return loads(*fdpass.recv_frame(self._check(read=True)))
 
     def send_bytes(self, buf, offset=0, size=None):
         """Send a bytes-like object (or the part of it at ``offset`` of ``size`` bytes)."""

@@ -117,13 +117,13 @@ class SimpleQueue:
 
     def get(self):
         with self._rlock:
-            payload, fds, _ = fdpass.recv_frame(self._reader._check(read=True))
-        return loads(payload, fds)
+            frame = fdpass.recv_frame(self._reader._check(read=True))
+        return loads(*frame)
 
     def put(self, obj):
-        payload, fds = dumps(obj)
+        payload, fds, flags = dumps(obj)
         with self._wlock:
-            fdpass.send_frame(self._writer._check(write=True), payload, fds)
+            fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
 
 
 class Queue:
@@ -176,26 +176,26 @@ class Queue:
         if not self._sem.acquire(block, timeout):
             raise Full
         try:
-            payload, fds = dumps(obj)
+            payload, fds, flags = dumps(obj)
         except BaseException:
             self._sem.release()
             raise
         self._count_task()
-        self._send(payload, fds)
+        self._send(payload, fds, flags)
 
     def _count_task(self):
         pass
 
-    def _send(self, payload, fds):
+    def _send(self, payload, fds, flags):
         if os.getpid() != self._creator:
             with self._wlock:
-                fdpass.send_frame(self._writer._check(write=True), payload, fds)
+                fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
             return
         held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
-            self._buffer.append((payload, held))
+            self._buffer.append((payload, held, flags))
             self._notempty.notify()
 
     def put_nowait(self, obj):
@@ -208,7 +208,7 @@ class Queue:
         sock = self._reader._check(read=True)
         if block and timeout is None:
             with self._rlock:
-                payload, fds, _ = fdpass.recv_frame(sock)
+                frame = fdpass.recv_frame(sock)
         else:
             deadline = time.monotonic() + (timeout or 0.0)
             if not self._rlock.acquire(block, timeout):
@@ -217,11 +217,11 @@ class Queue:
                 wait = max(0.0, deadline - time.monotonic()) if block else 0.0
                 if not self._reader.poll(wait):
                     raise Empty
-                payload, fds, _ = fdpass.recv_frame(sock)
+                frame = fdpass.recv_frame(sock)
             finally:
                 self._rlock.release()
         self._sem.release()
-        return loads(payload, fds)
+        return loads(*frame)
 
     def get_nowait(self):
         return self.get(False)
@@ -297,11 +297,11 @@ class Queue:
                 reader.close()
                 writer.close()
                 return
-            payload, taken = item
+            payload, taken, flags = item
             try:
                 with wlock:
                     fdpass.send_frame(writer._check(write=True), payload,
-                                      [entry[0] for entry in taken])
+                                      [entry[0] for entry in taken], flags)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return

@@ -1,13 +1,21 @@
-"""NumPy arrays on the wire: a segment handle plus offset, shape, strides, dtype, flags."""
+"""NumPy arrays on the wire: a segment handle plus offset, shape, strides, dtype, flags.
+
+Two forms: pickled (``reduce_ndarray``/``rebuild_ndarray``), for arrays anywhere in a
+message and on any channel; and, for a message of one array alone on a sharedmp channel,
+a fixed binary header that skips pickle (``encode_array``/``decode_array``, the frame
+flag ``ARRAY``): a stream of small arrays spends most of its time in pickle otherwise.
+"""
 import ctypes
+import struct
 from multiprocessing.context import get_spawning_popen
 
 import numpy as np
 
 from ..arrays import _extent, copy_to_shared, mapping_of
 from ..channels import fdpass
-from ..errors import SegmentError
-from ..memory import arena
+from ..errors import ProtocolError, SegmentError
+from ..memory import arena, segment
+from ..strategy import get_sharing_strategy
 from .segment import reduce_segment
 
 
@@ -68,6 +76,48 @@ def _rebuild_args(a, seg, offset):
     # than everything else in the message.
     dtype = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
     return rebuild_ndarray, (seg, offset, a.shape, a.strides, dtype, not a.flags.writeable)
+
+
+# offset in the segment, ndim, length of the dtype string, read-only; then the dtype
+# string ('<f4'), then ndim shapes and ndim strides (int64). The fd is the frame's only one.
+_HEAD = struct.Struct("<QBB?")
+
+
+def encode_array(a, fds):
+    """The frame payload of ndarray ``a`` sent alone, its fd appended to ``fds``; None when
+    it needs pickle (a structured or object dtype, a named segment)."""
+    dtype = a.dtype
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        return None
+    mapping, seg = mapping_of(a)
+    if seg is None:                          # not shared yet: copy once into shared memory
+        if get_sharing_strategy() != "file_descriptor":
+            return None
+        a = copy_to_shared(a)
+        mapping, seg = mapping_of(a)
+    if seg.kind != "file_descriptor":        # named: the daemon must hear of the reference in flight
+        return None
+    fds.keep.append(mapping)                 # alive until sent, even if ``a`` was a fresh copy
+    fds.append(seg.fd)
+    code = dtype.str.encode("ascii")
+    n = a.ndim
+    return (_HEAD.pack(_address(a) - seg.address, n, len(code), not a.flags.writeable) + code
+            + struct.pack(f"<{2 * n}q", *a.shape, *a.strides))
+
+
+def decode_array(payload, fds):
+    """The array of a frame made by ``encode_array`` (the caller closes ``fds``)."""
+    try:
+        offset, n, k, readonly = _HEAD.unpack_from(payload)
+        code = bytes(payload[_HEAD.size:_HEAD.size + k]).decode("ascii")
+        dims = struct.unpack_from(f"<{2 * n}q", payload, _HEAD.size + k)
+    except (struct.error, UnicodeDecodeError):
+        raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
+    if len(payload) != _HEAD.size + k + 16 * n:
+        raise ProtocolError(f"array frame of {len(payload)} bytes, its header says {_HEAD.size + k + 16 * n}")
+    if len(fds) != 1:
+        raise ProtocolError(f"array frame carries {len(fds)} fds instead of 1")
+    return rebuild_ndarray(segment.attach_fd(fds[0]), offset, dims[:n], dims[n:], code, readonly)
 
 
 def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
