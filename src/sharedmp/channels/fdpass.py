@@ -123,6 +123,18 @@ def _sendmsg(sock, buffers, fds):
 
 def send_frame(sock, payload, fds=(), flags=0):
     """Send one frame: the header with the fds, then the payload (blocking)."""
+    if type(payload) is bytes and len(payload) <= 65536 and 0 < len(fds) <= MAX_FDS_PER_MSG:
+        # The common small message with fds (an array alone): one sendmsg, little Python.
+        header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
+        try:
+            sent = sock.sendmsg([header, payload], _rights(fds))
+        except OSError as e:
+            if e.errno != errno.ETOOMANYREFS:
+                raise
+            sent = _sendmsg(sock, [header, payload], fds)
+        if sent < len(header) + len(payload):
+            sock.sendall((header + payload)[sent:])
+        return
     payload = memoryview(payload).cast("B")
     header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
     first, rest = fds[:MAX_FDS_PER_MSG], fds[MAX_FDS_PER_MSG:]

@@ -89,7 +89,10 @@ def encode_array(a, fds):
     dtype = a.dtype
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         return None
-    mapping, seg = mapping_of(a)
+    mapping = a.base                         # mp.empty's arrays: the lease of their segment
+    seg = segment.segment_of(mapping) if mapping is not None else None
+    if seg is None:
+        mapping, seg = mapping_of(a)
     if seg is None:                          # not shared yet: copy once into shared memory
         if get_sharing_strategy() != "file_descriptor":
             return None
@@ -117,21 +120,42 @@ def decode_array(payload, fds):
         raise ProtocolError(f"array frame of {len(payload)} bytes, its header says {_HEAD.size + k + 16 * n}")
     if len(fds) != 1:
         raise ProtocolError(f"array frame carries {len(fds)} fds instead of 1")
-    return rebuild_ndarray(segment.attach_fd(fds[0]), offset, dims[:n], dims[n:], code, readonly)
+    shape, strides = dims[:n], dims[n:]
+    dtype = _dtype(code)               # struct gave ints; only their signs and bounds are left
+    if n and min(shape) < 0 or dtype.hasobject:
+        raise SegmentError(f"malformed array header: dtype={dtype!r} shape={shape!r}")
+    return _view(segment.attach_fd(fds[0]), offset, shape, strides, dtype, readonly)
+
+
+_dtypes = {}       # dtype string -> np.dtype, for the strings seen (parsing one costs more than the rest)
+
+
+def _dtype(code):
+    dtype = _dtypes.get(code)
+    if dtype is None:
+        try:
+            dtype = np.dtype(code)
+        except Exception:            # TypeError, ValueError, SyntaxError: whatever the string was
+            raise SegmentError(f"malformed array header: dtype {code!r}") from None
+        if len(_dtypes) < 256:
+            _dtypes[code] = dtype
+    return dtype
 
 
 def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
     # Every number here comes from another process: check types and bounds before NumPy sees them.
     if isinstance(dtype, str):
-        try:
-            dtype = np.dtype(dtype)
-        except Exception:            # TypeError, ValueError, SyntaxError: whatever the string was
-            raise SegmentError(f"malformed array header: dtype {dtype!r}") from None
+        dtype = _dtype(dtype)
     if not (isinstance(dtype, np.dtype) and not dtype.hasobject and type(offset) is int
             and type(shape) is tuple and type(strides) is tuple and len(shape) == len(strides)
             and all(type(n) is int and n >= 0 for n in shape) and all(type(s) is int for s in strides)):
         raise SegmentError(f"malformed array header: dtype={dtype!r} offset={offset!r} shape={shape!r} "
                            f"strides={strides!r}")
+    return _view(mapping, offset, shape, strides, dtype, readonly)
+
+
+def _view(mapping, offset, shape, strides, dtype, readonly):
+    """The view, once its header is well typed: only if it lies inside ``mapping``."""
     lo, end = _extent(shape, strides, dtype.itemsize)
     fits = (0 <= offset + lo and offset + end <= len(mapping)) if end else 0 <= offset <= len(mapping)
     if not fits:
