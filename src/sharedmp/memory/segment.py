@@ -13,9 +13,10 @@ mapping lives exactly as long as some view does. A ``weakref.finalize`` on the m
 then releases what the segment still owns: its fd, and for a named segment, this
 process's hold on the name. A memfd segment this process created is viewed through a
 uint8 ndarray over its mmap instead (the "lease"): when the lease goes, the mmap stays,
-and the segment goes to ``recycle`` to be handed out again once no other process holds it. Names are unlinked by the manager daemon (``manager.py``,
-``daemon.py``) once no process holds them and no message carries them, never by a
-process that merely attached (the mistake of CPython 3.11's shared_memory, gh-82300).
+and the segment goes to ``recycle`` to be handed out again once no other process holds
+it. Names are unlinked by the manager daemon (``manager.py``, ``daemon.py``) once no
+process holds them and no message carries them, never by a process that merely
+attached (the mistake of CPython 3.11's shared_memory, gh-82300).
 
 Memory is reserved when the segment is made (``posix_fallocate``): running out raises
 ``OutOfSharedMemory`` here, instead of SIGBUS at the first touch of a page. memfd

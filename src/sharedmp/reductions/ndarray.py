@@ -2,8 +2,9 @@
 
 Two forms: pickled (``reduce_ndarray``/``rebuild_ndarray``), for arrays anywhere in a
 message and on any channel; and, for a message of one array alone on a sharedmp channel,
-a fixed binary header that skips pickle (``encode_array``/``decode_array``, the frame
-flag ``ARRAY``): a stream of small arrays spends most of its time in pickle otherwise.
+a fixed binary header that skips pickle (``encode_array``/``decode_array``, frame flag
+``FLAG_ARRAY`` in ``channels/connection.py``): a stream of small arrays would otherwise
+spend most of its time in pickle.
 """
 import ctypes
 import struct
