@@ -690,10 +690,15 @@ def run_worker(spec, timeout):
 
 
 def _shm_entries():
-    try:
-        return set(os.listdir("/dev/shm"))
-    except OSError:
-        return set()
+    """The paths in /dev/shm and in sharedmp's shared-memory directory ($SHAREDMP_SHM_DIR)."""
+    from ..memory.segment import shm_dir
+    out = set()
+    for d in {"/dev/shm", shm_dir()}:
+        try:
+            out.update(os.path.join(d, n) for n in os.listdir(d))
+        except OSError:
+            pass
+    return out
 
 
 def _in_use(paths):
@@ -720,10 +725,9 @@ def _in_use(paths):
     return used
 
 
-def _clean_shm(new_names):
+def _clean_shm(new_paths):
     """Remove what the killed workers left in /dev/shm (ours: torch_* and sharedmp_*, unused)."""
-    paths = {os.path.join("/dev/shm", n) for n in new_names
-             if n.startswith(("torch_", "sharedmp_"))}
+    paths = {p for p in new_paths if os.path.basename(p).startswith(("torch_", "sharedmp_"))}
     removed = []
     for p in sorted(paths - _in_use(paths)):
         try:
@@ -1133,8 +1137,8 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
     report["shm_removed"] = _clean_shm(new) if timed_out and new else []
     # Left behind: new files that no live process maps or holds open (others' files, e.g.
     # of a test suite running meanwhile, are in use and not this run's to report).
-    new = {os.path.join("/dev/shm", n) for n in _shm_entries() - shm_before}
-    report["shm_left"] = sorted(os.path.basename(p) for p in new - _in_use(new))
+    new = _shm_entries() - shm_before
+    report["shm_left"] = sorted(new - _in_use(new))
     try:
         report["machine"]["loadavg_end"] = os.getloadavg()
     except OSError:
