@@ -185,7 +185,7 @@ def _recv_exact(sock, n, what):
 
 
 def recv_frame(sock):
-    """Receive one frame: (payload bytearray, fds, flags). EOFError on a clean end of stream."""
+    """Receive one frame: (payload bytes or bytearray, fds, flags). EOFError on a clean end of stream."""
     fds = []
     try:
         data, ancdata, msg_flags, _ = sock.recvmsg(HEADER.size, _CMSG_SPACE, _CLOEXEC)
@@ -209,7 +209,13 @@ def recv_frame(sock):
             if data != b"+" or len(fds) == before or len(fds) > nfds:
                 raise ProtocolError(f"frame announces {nfds} fds but the fd batches that follow "
                                     "do not match")
-        if length <= _EAGER:
+        if length <= 65536:            # small: usually all there in one recv
+            payload = sock.recv(length) if length else b""
+            if len(payload) < length:
+                if not payload:
+                    raise ProtocolError("peer closed the connection in the middle of a frame (payload)")
+                payload = payload + _recv_exact(sock, length - len(payload), "payload")
+        elif length <= _EAGER:
             payload = _recv_exact(sock, length, "payload")
         else:                          # grow as data arrives: a lying length costs nothing
             payload = bytearray()

@@ -82,6 +82,7 @@ def _rebuild_args(a, seg, offset):
 # offset in the segment, ndim, length of the dtype string, read-only; then the dtype
 # string ('<f4'), then ndim shapes and ndim strides (int64). The fd is the frame's only one.
 _HEAD = struct.Struct("<QBB?")
+_DIMS = [struct.Struct(f"<{2 * n}q") for n in range(256)]     # shape + strides, by ndim
 
 
 def encode_array(a, fds):
@@ -106,7 +107,7 @@ def encode_array(a, fds):
     code = dtype.str.encode("ascii")
     n = a.ndim
     return (_HEAD.pack(_address(a) - seg.address, n, len(code), not a.flags.writeable) + code
-            + struct.pack(f"<{2 * n}q", *a.shape, *a.strides))
+            + _DIMS[n].pack(*a.shape, *a.strides))
 
 
 def decode_array(payload, fds):
@@ -114,7 +115,7 @@ def decode_array(payload, fds):
     try:
         offset, n, k, readonly = _HEAD.unpack_from(payload)
         code = bytes(payload[_HEAD.size:_HEAD.size + k]).decode("ascii")
-        dims = struct.unpack_from(f"<{2 * n}q", payload, _HEAD.size + k)
+        dims = _DIMS[n].unpack_from(payload, _HEAD.size + k)
     except (struct.error, UnicodeDecodeError):
         raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
     if len(payload) != _HEAD.size + k + 16 * n:
