@@ -25,8 +25,7 @@ class Fds(list):
 
     __slots__ = ("keep",)
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self):           # (list's own __init__ has nothing to do for an empty list)
         self.keep = []
 
 

@@ -85,11 +85,24 @@ _HEAD = struct.Struct("<QBB?")
 _DIMS = [struct.Struct(f"<{2 * n}q") for n in range(256)]     # shape + strides, by ndim
 
 
+_codes = {}        # dtype -> its string as bytes, or None where the dtype needs pickle
+
+
+def _code(dtype):
+    code = _codes.get(dtype, False)
+    if code is False:
+        plain = not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
+        code = dtype.str.encode("ascii") if plain else None
+        if len(_codes) < 256:
+            _codes[dtype] = code
+    return code
+
+
 def encode_array(a, fds):
     """The frame payload of ndarray ``a`` sent alone, its fd appended to ``fds``; None when
     it needs pickle (a structured or object dtype, a named segment)."""
-    dtype = a.dtype
-    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+    code = _code(a.dtype)
+    if code is None:
         return None
     mapping = a.base                         # mp.empty's arrays: the lease of their segment
     seg = segment.segment_of(mapping) if mapping is not None else None
@@ -104,7 +117,6 @@ def encode_array(a, fds):
         return None
     fds.keep.append(mapping)                 # alive until sent, even if ``a`` was a fresh copy
     fds.append(seg.fd)
-    code = dtype.str.encode("ascii")
     n = a.ndim
     return (_HEAD.pack(_address(a) - seg.address, n, len(code), not a.flags.writeable) + code
             + _DIMS[n].pack(*a.shape, *a.strides))
