@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
 import tempfile
 import time
 
@@ -38,30 +39,21 @@ def segment_fds():
 
     The allocator keeps its current arena (and so its fds) on purpose, across tests.
     """
-    keep = set()
-    for a in arena._current.values():
-        seg = segment.segment_of(a.mapping)
-        try:
-            if seg is not None and seg.fd >= 0:
-                st = os.fstat(seg.fd)
-            elif seg is not None and seg.path:    # named: the fd is the mmap's own dup
-                st = os.stat(seg.path)
-            else:
-                continue
-        except OSError:
-            continue
-        keep.add((st.st_dev, st.st_ino))
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            st = os.stat(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if (target.startswith("/memfd:sharedmp") or segment.PREFIX in target) \
-                and (st.st_dev, st.st_ino) not in keep:
-            out.add(int(name))
-    return out
+    return arena.stray_segment_fds()
+
+
+def run_bounded(argv, timeout=TIMEOUT, env=None, what=None):
+    """Run ``argv`` in its own session: (returncode, stdout, stderr); on a timeout its whole
+    process group is killed and the test fails."""
+    proc = subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{what or ' '.join(argv)} did not finish within {timeout} s", pytrace=False)
+    return proc.returncode, out, err
 
 
 def kill_children():

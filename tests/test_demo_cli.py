@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from sharedmp.cli import main  # noqa: E402
-from conftest import group_gone  # noqa: E402
+from conftest import group_gone, run_bounded  # noqa: E402
 
 TIMEOUT = 90           # seconds for a CLI subprocess
 SHORT = ["--hidden", "32", "--epochs", "2"]
@@ -25,16 +25,8 @@ SHORT = ["--hidden", "32", "--epochs", "2"]
 
 def run_cli(*args, timeout=TIMEOUT, env=None):
     """Run ``python -m sharedmp demo ARGS`` in its own session; kill the group on a timeout."""
-    proc = subprocess.Popen([sys.executable, "-m", "sharedmp", "demo", *args], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"demo {' '.join(args)} did not finish within {timeout} s", pytrace=False)
-    return proc.returncode, out, err
+    return run_bounded([sys.executable, "-m", "sharedmp", "demo", *args], timeout, env,
+                       what=f"demo {' '.join(args)}")
 
 
 

@@ -34,7 +34,8 @@ import sharedmp as mp
 from sharedmp.channels.fdpass import HEADER, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MAX_PAYLOAD, VERSION
 from sharedmp.memory import manager, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
-from sharedmp.reductions.segment import rebuild_fd_in_band
+
+from test_hostile_frames import InBandSegment      # the same in-band segment reference
 
 # The suite's runs are derandomized (the same 300 cases each time: CI must not fail by the
 # luck of the draw); SHAREDMP_FUZZ_EXAMPLES=N explores N fresh random cases.
@@ -51,16 +52,6 @@ def open_fds(collect=False):
     if collect:
         gc.collect()
     return set(os.listdir("/proc/self/fd"))
-
-
-class InBand:
-    """Pickles as sharedmp's in-band segment reference to fd #index of the message."""
-
-    def __init__(self, index):
-        self.index = index
-
-    def __reduce__(self):
-        return rebuild_fd_in_band, (self.index,)
 
 
 class Named:
@@ -330,7 +321,7 @@ def test_array_header_over_a_real_segment(header):
     event(expected)
     fd = sealed_memfd(size)
     try:
-        pickled = pickle.dumps(Array(InBand(0), offset, shape, strides, dtype, readonly), pickle.HIGHEST_PROTOCOL)
+        pickled = pickle.dumps(Array(InBandSegment(0), offset, shape, strides, dtype, readonly), pickle.HIGHEST_PROTOCOL)
         forms = [(0, pickled)]
         binary = array_frame(offset, shape, strides, dtype, readonly)
         if binary is not None:        # the same header as an array frame (a message of one array)
@@ -453,7 +444,7 @@ def test_fds_and_fd_references(kind, index):
     make, expected = FD_KINDS[kind]
     fd = make()
     try:
-        payload = pickle.dumps(Array(InBand(index), 8, (4,), (8,), "<f8"), pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(Array(InBandSegment(index), 8, (4,), (8,), "<f8"), pickle.HIGHEST_PROTOCOL)
         outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, 0, 1, len(payload)) + payload, [fd])])
         if type(index) is not int or index != 0:        # an fd reference the message did not carry
             expect(outcome, mp.ProtocolError, r"refers to fd #.* but carried 1 fds")

@@ -5,8 +5,6 @@ checks that no worker, segment or fd outlives a test, failures included.
 """
 import functools
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -18,6 +16,7 @@ pytest.importorskip("sklearn")
 import sharedmp as mp  # noqa: E402
 from sharedmp import training  # noqa: E402
 import _training_workers as tw  # noqa: E402
+from conftest import run_bounded  # noqa: E402
 
 TIMEOUT = 60     # seconds for a whole training run, start-up included
 
@@ -128,13 +127,6 @@ def test_bad_settings_raise_before_starting(digits, kwargs, match):
 ])
 def test_examples_run(script, args, expected):
     path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", script)
-    proc = subprocess.Popen([sys.executable, path, *args], text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{script} did not finish within {TIMEOUT} s", pytrace=False)
-    assert proc.returncode == 0, err
+    code, out, err = run_bounded([sys.executable, path, *args], TIMEOUT, what=script)
+    assert code == 0, err
     assert expected in out

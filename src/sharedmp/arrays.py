@@ -100,6 +100,9 @@ def zeros_like(a, dtype=None, shape=None):
 
 def mapping_of(a):
     """(mapping, Segment) of the shared memory under ndarray ``a``, or (None, None)."""
+    seg = segment.segment_of(a.base)      # the usual case: a view of a lease or of a mapping
+    if seg is not None:
+        return a.base, seg
     root = a
     for _ in range(1000):          # base chains are short; the bound only guards odd objects
         if isinstance(root, np.ndarray):

@@ -122,34 +122,21 @@ def _sendmsg(sock, buffers, fds):
 
 def send_frame(sock, payload, fds=(), flags=0):
     """Send one frame: the header with the fds, then the payload (blocking)."""
-    if type(payload) is bytes and len(payload) <= 65536 and 0 < len(fds) <= MAX_FDS_PER_MSG:
-        # The common small message with fds (an array alone): one sendmsg, little Python.
-        header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
-        try:
-            sent = sock.sendmsg([header, payload], _rights(fds))
-        except OSError as e:
-            if e.errno != errno.ETOOMANYREFS:
-                raise
-            sent = _sendmsg(sock, [header, payload], fds)
-        if sent < len(header) + len(payload):
+    if type(payload) is not bytes:
+        payload = memoryview(payload).cast("B")
+    header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
+    if len(payload) <= 65536 and len(fds) <= MAX_FDS_PER_MSG:     # the whole frame in one sendmsg
+        sent = _sendmsg(sock, [header, payload], fds)
+        if sent < len(header) + len(payload):  # a stream socket may take a part; the fds went with it
             sock.sendall((header + payload)[sent:])
         return
-    payload = memoryview(payload).cast("B")
-    header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
     first, rest = fds[:MAX_FDS_PER_MSG], fds[MAX_FDS_PER_MSG:]
-    small = len(payload) <= 65536 and not rest
-    sent = _sendmsg(sock, [header, payload] if small else [header], first)
-    total = len(header) + (len(payload) if small else 0)
-    if sent < len(header):            # a stream socket may take a part; the fds went with it
+    sent = _sendmsg(sock, [header], first)
+    if sent < len(header):
         sock.sendall(header[sent:])
-        sent = len(header)
     for i in range(0, len(rest), MAX_FDS_PER_MSG):
         _sendmsg(sock, [b"+"], rest[i:i + MAX_FDS_PER_MSG])
-    if small:
-        if sent < total:
-            sock.sendall(payload[sent - len(header):])
-    else:
-        sock.sendall(payload)
+    sock.sendall(payload)
 
 
 def close_all(fds):
@@ -173,8 +160,19 @@ def _take_fds(ancdata, msg_flags, fds):
 
 
 def _recv_exact(sock, n, what):
+    """``n`` bytes. A small read is usually all there: one recv, no buffer to fill."""
+    got = 0
+    if n <= 65536:
+        data = sock.recv(n)
+        if len(data) == n:
+            return data
+        if not data:
+            raise ProtocolError(f"peer closed the connection in the middle of a frame ({what})")
+        got = len(data)
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
+    if got:
+        buf[:got] = data
+    view = memoryview(buf)
     while got < n:
         k = sock.recv_into(view[got:])
         if k == 0:
@@ -208,13 +206,7 @@ def recv_frame(sock):
             if data != b"+" or len(fds) == before or len(fds) > nfds:
                 raise ProtocolError(f"frame announces {nfds} fds but the fd batches that follow "
                                     "do not match")
-        if length <= 65536:            # small: usually all there in one recv
-            payload = sock.recv(length) if length else b""
-            if len(payload) < length:
-                if not payload:
-                    raise ProtocolError("peer closed the connection in the middle of a frame (payload)")
-                payload = payload + _recv_exact(sock, length - len(payload), "payload")
-        elif length <= _EAGER:
+        if length <= _EAGER:
             payload = _recv_exact(sock, length, "payload")
         else:                          # grow as data arrives: a lying length costs nothing
             payload = bytearray()

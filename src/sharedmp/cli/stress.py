@@ -271,30 +271,10 @@ def judge(counters, cstats, ends, killed_p, killed_c):
 
 # ------------------------------------------------------------------------------- the leader
 
-def segment_fds():
-    """fds of this process on sharedmp segments, but for its current arenas' (kept on purpose)."""
-    from ..memory import arena, segment
-    keep = set()
-    for a in arena._current.values():
-        seg = segment.segment_of(a.mapping)
-        if seg is not None:
-            keep.add(seg.key if seg.fd < 0 else (os.fstat(seg.fd).st_dev, os.fstat(seg.fd).st_ino))
-    n = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            st = os.stat(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:sharedmp") or segment.PREFIX in target:
-            n += (st.st_dev, st.st_ino) not in keep and os.path.basename(target) not in keep
-    return n
-
-
 def leader(cfg, result):
     """One epoch: start, kill, wait, judge; send the verdict on ``result``."""
     import sharedmp as mp
-    from ..memory import manager
+    from ..memory import arena, manager
     mp.set_sharing_strategy(cfg["strategy"])
     ctx = mp.get_context(cfg["start_method"])
     rng = np.random.default_rng([cfg["seed"], 7])
@@ -365,7 +345,7 @@ def leader(cfg, result):
                    pids=[proc.pid for proc in procs])
     del counters, cstats, ends
     segment_forget_and_collect()
-    verdict["leader_segment_fds"] = segment_fds()
+    verdict["leader_segment_fds"] = len(arena.stray_segment_fds())
     verdict["daemon_after_workers"] = None
     if cfg["strategy"] == "file_system" and manager.daemon_pid() is not None:
         # What the daemon still tracks now that every worker is gone: references in flight of
@@ -417,6 +397,7 @@ def _poll(predicate, timeout):
 
 def run_epoch(cfg, token, shm_dir):
     import sharedmp as mp
+    from ..memory import arena
     ctx = mp.get_context("spawn")
     r, w = ctx.Pipe(duplex=False)
     lead = ctx.Process(target=leader, args=(cfg, w), name=f"leader-{cfg['epoch']}")
@@ -442,7 +423,7 @@ def run_epoch(cfg, token, shm_dir):
     files = _poll(lambda: not os.listdir(shm_dir), 5) or os.listdir(shm_dir)
     verdict["leftovers"] = {
         "shm_files": 0 if files is True else len(files),
-        "segment_fds": segment_fds(),
+        "segment_fds": len(arena.stray_segment_fds()),
         "processes": 0 if gone else len(live_run_processes(token)),
     }
     for name in ([] if files is True else files):             # do not let one epoch spoil the next

@@ -64,9 +64,9 @@ class Segment:
     """What this process knows of one segment; the mapping itself is held by the arrays."""
 
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
-                 "reused", "recycle", "__weakref__")
+                 "recycle", "__weakref__")
 
-    def __init__(self, kind, key, size, fd, name, mm, owner, path=None, recycle=None, reused=False):
+    def __init__(self, kind, key, size, fd, name, mm, owner, path=None, recycle=None):
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
@@ -77,7 +77,6 @@ class Segment:
         self.mapping = weakref.ref(mm)
         self.address = _address(mm)
         self.recycle = recycle    # (mmap, private fd) of a memfd segment this process made
-        self.reused = reused      # its memory held data before (recycled)
 
     def __repr__(self):
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
@@ -277,7 +276,7 @@ def format_size(n):
 def create(size, kind, zero=True):
     """A segment of ``size`` bytes, mapped here; returns (segment, mapping).
 
-    Its memory is zero unless ``zero`` is false and it is recycled (``seg.reused``)."""
+    Its memory is zero unless ``zero`` is false and it is recycled."""
     if size <= 0:
         raise ValueError(f"segment size must be > 0, not {size}")
     if kind not in ("file_descriptor", "file_system"):
@@ -351,7 +350,7 @@ def _adopt_memfd(size, mm, private, reused, zero):
     st = os.fstat(private)
     lease = np.frombuffer(mm, np.uint8)
     seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, shared, None, lease, owner=True,
-                  recycle=(mm, private) if recyclable else None, reused=reused)
+                  recycle=(mm, private) if recyclable else None)
     if not recyclable:
         os.close(private)
     if zero and reused:

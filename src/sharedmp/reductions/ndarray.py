@@ -104,10 +104,7 @@ def encode_array(a, fds):
     code = _code(a.dtype)
     if code is None:
         return None
-    mapping = a.base                         # mp.empty's arrays: the lease of their segment
-    seg = segment.segment_of(mapping) if mapping is not None else None
-    if seg is None:
-        mapping, seg = mapping_of(a)
+    mapping, seg = mapping_of(a)
     if seg is None:                          # not shared yet: copy once into shared memory
         if get_sharing_strategy() != "file_descriptor":
             return None
