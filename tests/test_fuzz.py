@@ -35,7 +35,7 @@ from sharedmp.channels.fdpass import HEADER, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MA
 from sharedmp.memory import manager, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
 
-from test_hostile_frames import InBandSegment      # the same in-band segment reference
+from test_hostile_frames import InBandSegment, _target      # the same helpers
 
 # The suite's runs are derandomized (the same 300 cases each time: CI must not fail by the
 # luck of the draw); SHAREDMP_FUZZ_EXAMPLES=N explores N fresh random cases.
@@ -115,13 +115,6 @@ def assert_no_fd_left(before, *keep):
     if left:                          # a finalizer may wait for the cycle collector: fine
         left = open_fds(collect=True) - before - keep
     assert not left, f"fds left open: {[_target(fd) for fd in left]}"
-
-
-def _target(fd):
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "?"
 
 
 def expect(outcome, kind, pattern=None, value=None):
