@@ -27,10 +27,14 @@ def storage_ids(tensors):
 
 # -- Queue / Pipe ------------------------------------------------------------------------
 
-def fill_received(conn, q, value):
-    """Get [x, x[:, 1], y] from q, write ``value`` into the view and y, report what arrived."""
+def fill_received(conn, q, value, alone=False):
+    """Get [x, x[:, 1], y] from q (``alone``: as three messages, each a tensor frame), write
+    ``value`` into the view and y, report what arrived."""
     def run():
-        x, col, y = q.get(timeout=TIMEOUT)
+        if alone:
+            x, col, y = (q.get(timeout=TIMEOUT) for _ in range(3))
+        else:
+            x, col, y = q.get(timeout=TIMEOUT)
         col.fill_(value)
         y.fill_(value)
         return {"shared": [mp.is_shared(t) for t in (x, col, y)],

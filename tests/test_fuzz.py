@@ -201,6 +201,8 @@ def frame_oracle(payload, with_header, nfds, batches, length, magic, version, fl
     body = stream[:length]
     if flags == 1:                    # an array frame (encode_array): a pickle is never a valid one
         return OSError, r"array (frame|header)|does not fit|segment"
+    if flags == 2:                    # a tensor frame (encode_tensor): neither is it one
+        return OSError, r"tensor (frame|header)|does not fit|segment|needs torch"
     if flags:
         return mp.ProtocolError, "unknown flags"
     if not body:
@@ -368,6 +370,123 @@ def test_array_frame_bytes(payload, nfds, mangle):
         else:
             assert isinstance(got, (mp.ProtocolError, mp.SegmentError)), repr(got)
             assert re.search(r"array (frame|header)|does not fit|segment", str(got)), str(got)
+        del got, outcome
+        assert_no_fd_left(before, fd)
+    finally:
+        os.close(fd)
+
+
+def tensor_frame(offset, nbytes, storage_offset, code, flags, shape, strides):
+    """The payload encode_tensor writes (reductions/torch.py: ``<QQqBBB`` + sizes + strides)."""
+    n = len(shape)
+    return struct.pack("<QQqBBB", offset, nbytes, storage_offset, code, flags, n) + struct.pack(f"<{2 * n}q", *shape, *strides)
+
+
+@SETTINGS
+@given(st.binary(max_size=96), st.integers(0, 2), st.integers(0, 3))
+def test_tensor_frame_bytes(payload, nfds, mangle):
+    """The same for the tensor flag: an exception naming the problem, or a tensor whose every
+    element lies inside the segment; never a crash or an fd left."""
+    torch = pytest.importorskip("torch")
+    fd = sealed_memfd(4096)
+    try:
+        if mangle:                    # an honest frame (a 4 x 8 float64 view), then the drawn bytes
+            honest = tensor_frame(64, 512, 8, 1, 0, (4, 8), (8, 1))
+            payload = payload[:len(honest)] + honest[len(payload):] if mangle == 1 else honest + payload
+        outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, 2, nfds, len(payload)) + payload, [fd] * nfds)])
+        what, got = outcome
+        event("ok" if what == "ok" else f"{type(got).__name__}: {str(got)[:24]}")
+        if what == "ok":
+            assert nfds == 1 and isinstance(got, torch.Tensor)
+            seg = next(x for x in segment.live_segments() if x.key[1] == os.fstat(fd).st_ino)
+            if got.numel() and got.element_size():
+                start = got.data_ptr()
+                low = start + sum((n - 1) * s for n, s in zip(got.shape, got.stride()) if s < 0) * got.element_size()
+                high = start + (sum((n - 1) * s for n, s in zip(got.shape, got.stride()) if s > 0) + 1) * got.element_size()
+                assert seg.address <= low and high <= seg.address + seg.size, "a tensor outside the mapping"
+                if got.numel() <= 1 << 16:
+                    got.clone()           # every element read: no SIGBUS
+        else:
+            assert isinstance(got, (mp.ProtocolError, mp.SegmentError)), repr(got)
+            assert re.search(r"tensor (frame|header)|does not fit|segment", str(got)), str(got)
+        del got, outcome
+        assert_no_fd_left(before, fd)
+    finally:
+        os.close(fd)
+
+
+def wild_int(lo, hi):
+    """Mostly small sane values, sometimes anything the field can hold."""
+    return st.one_of(st.integers(0, 16), st.integers(-4, 600).filter(lambda x: lo <= x <= hi),
+                     st.integers(lo, hi))
+
+
+@st.composite
+def tensor_headers(draw):
+    n = draw(st.integers(0, 4))
+    sane = st.sampled_from([0, 64, 512, 1024, 4032])
+    return (draw(st.one_of(sane, wild_int(0, 2 ** 64 - 1))), draw(st.one_of(sane, wild_int(0, 2 ** 64 - 1))),
+            draw(wild_int(-2 ** 63, 2 ** 63 - 1)), draw(st.one_of(st.integers(0, 11), st.integers(0, 255))),
+            draw(st.one_of(st.just(0), st.integers(0, 15), st.integers(0, 255))),
+            tuple(draw(st.lists(wild_int(-2 ** 63, 2 ** 63 - 1), min_size=n, max_size=n))),
+            tuple(draw(st.lists(wild_int(-2 ** 63, 2 ** 63 - 1), min_size=n, max_size=n))))
+
+
+@SETTINGS
+@given(tensor_headers())
+def test_tensor_header_fields(header):
+    """Every field of a tensor frame drawn (mostly near the honest values): a tensor inside the
+    segment showing its bytes, or SegmentError naming the header; never a crash or an fd left."""
+    torch = pytest.importorskip("torch")
+    from sharedmp.reductions.torch import _DTYPES
+    offset, nbytes, storage_offset, code, flags, shape, strides = header
+    fd = sealed_memfd(4096)
+    try:
+        payload = tensor_frame(*header)
+        outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, 2, 1, len(payload)) + payload, [fd])])
+        what, got = outcome
+        event("ok" if what == "ok" else f"{type(got).__name__}: {str(got)[:30]}")
+        if what == "ok":
+            dtype = _DTYPES[code]
+            assert (got.dtype, tuple(got.shape), got.storage_offset()) == (dtype, shape, storage_offset)
+            assert got.stride() == strides or not got.numel()     # (an empty tensor's are torch's own)
+            assert offset + nbytes <= 4096 and not flags & ~15 and offset % dtype.itemsize == 0
+            storage, raw = got.untyped_storage(), None
+            seg = next(x for x in segment.live_segments() if x.key[1] == os.fstat(fd).st_ino)
+            assert storage.data_ptr() == seg.address + offset and storage.nbytes() == nbytes
+            if got.numel():
+                size = got.element_size()
+                last = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides))
+                assert min(strides, default=0) >= 0 and (last + 1) * size <= nbytes
+                if got.numel() <= 1 << 16:            # every byte of every element read: no SIGBUS
+                    raw = torch.empty(0, dtype=torch.uint8).set_(storage, storage_offset * size, (*shape, size),
+                                                                 (*(s * size for s in strides), 1))
+                    assert raw.clone().numel() == got.numel() * size
+                    try:
+                        got.clone()           # and by torch's kernels: no crash
+                    except NotImplementedError:           # (complex32 and float8 lack many)
+                        assert dtype.itemsize == 1 or dtype is torch.complex32
+            del storage, seg, raw
+        else:
+            assert isinstance(got, mp.SegmentError), repr(got)
+            assert re.search(r"tensor header|does not fit|not aligned", str(got)), str(got)
+        del got, outcome
+        assert_no_fd_left(before, fd)
+    finally:
+        os.close(fd)
+
+
+def test_honest_tensor_frame_shows_the_segments_bytes():
+    torch = pytest.importorskip("torch")
+    fd = sealed_memfd(4096)
+    try:
+        payload = tensor_frame(64, 512, 8, 1, 0, (4, 8), (8, 1))      # float64, from byte 64 + 8 * 8
+        outcome, before = exchange([(HEADER.pack(MAGIC, VERSION, 2, 1, len(payload)) + payload, [fd])])
+        what, got = outcome
+        assert what == "ok", got
+        expected = np.frombuffer(os.pread(fd, 256, 128), dtype=np.float64).reshape(4, 8)
+        assert got.dtype == torch.float64 and got.shape == (4, 8)
+        assert np.array_equal(got.numpy(), expected, equal_nan=True)
         del got, outcome
         assert_no_fd_left(before, fd)
     finally:

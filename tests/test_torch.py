@@ -150,6 +150,20 @@ def test_empty_like_gives_shared_tensors():
     assert mp.empty_like(torch.ones(0, 3)).shape == (0, 3)
 
 
+def test_new_shared_storages_are_sharedmp_memory():
+    # where DataLoader workers collate their batches (torch.utils.data._utils.collate)
+    s = torch.UntypedStorage._new_shared(1000)
+    assert isinstance(s, torch.UntypedStorage) and s.nbytes() == 1000
+    assert segment.containing(s.data_ptr(), 1000)[0] is not None and s.is_shared()
+    assert bytes(s) == bytes(1000)                     # zeroed, as torch's fresh shared memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        typed = torch.ones(2)._typed_storage()._new_shared(6)
+    assert typed.dtype == torch.float32 and seg_of(torch.empty(0).set_(typed)) is not None
+    assert torch.UntypedStorage._new_shared(0).nbytes() == 0
+    assert torch.UntypedStorage._new_shared(8, device="meta").device.type == "meta"
+
+
 def test_torchs_own_share_memory_keeps_sharedmp_memory():
     model = torch.nn.Linear(3, 2)
     mp.share_memory_(model)
@@ -415,6 +429,61 @@ def test_without_swap_data_ptr_tensors_move_into_torchs_shared_memory(monkeypatc
     assert x.untyped_storage().is_shared() and seg_of(x) is None
     assert torch._C.StorageBase.is_shared(x.untyped_storage())
     assert got[0].untyped_storage() is x.untyped_storage() and torch.equal(got[1], view)
+
+
+# -- a tensor alone: a binary frame, no pickle ------------------------------------------
+
+def test_a_tensor_alone_travels_in_a_tensor_frame(pipe):
+    from sharedmp.channels import connection
+    x = torch.arange(24.0).reshape(4, 6)
+    p = torch.nn.Parameter(torch.ones(3))
+    cases = [x, x[1], x[:, 2], x.t(), x[2, 3], x[1:, ::2], p, torch.nn.Parameter(torch.arange(3), requires_grad=False),
+             torch.zeros(2, requires_grad=True), torch.arange(5, dtype=torch.int16), torch.ones(2, 2, dtype=torch.bool),
+             torch.complex(x, -x).conj(), torch.complex(x, -x).conj().imag]      # (conj and neg bits)
+    for t in cases:
+        payload, fds, flags = connection.dumps(t)
+        assert flags == connection.FLAG_TENSOR and len(fds) == 1 and len(payload) == 27 + 16 * t.dim()
+        got = pipe(t)
+        assert type(got) is type(t) and got.requires_grad == t.requires_grad and got.dtype == t.dtype
+        assert (got.shape, got.stride(), got.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+        assert got.untyped_storage() is t.untyped_storage() and torch.equal(got.detach(), t.detach())
+        assert (got.is_conj(), got.is_neg()) == (t.is_conj(), t.is_neg())
+    assert p.grad is None and pipe(p).grad is None
+
+
+def test_what_the_tensor_frame_does_not_carry_goes_through_pickle(pipe, monkeypatch):
+    from sharedmp.channels import connection
+    x = mp.share(torch.arange(4.0))
+    others = [x.as_subclass(Tagged), torch.ones(0), torch.ones(2, device="meta"),
+              torch.ones(3).to_sparse(), [x], torch.ones(2).share_memory_()]
+    for t in others:
+        assert connection.dumps(t)[2] == 0, t
+        got = pipe(t)
+        assert type(got) is type(t)
+    with pytest.raises(RuntimeError, match="requires_grad"):      # a non-leaf: pickle's error
+        pipe(torch.ones(2, requires_grad=True) * 2)
+    # a reducer of the user's own for tensors wins over the frame
+    own = lambda t: (torch.tensor, (t.tolist(),))                  # noqa: E731
+    monkeypatch.setitem(ForkingPickler._extra_reducers, torch.Tensor, own)
+    connection.reducers_changed()
+    try:
+        assert connection.dumps(x)[2] == 0
+        got = pipe(x)
+        assert torch.equal(got, x) and not mp.is_shared(got)
+    finally:
+        monkeypatch.undo()
+        connection.reducers_changed()
+    assert connection.dumps(x)[2] == connection.FLAG_TENSOR
+
+
+def test_a_misaligned_view_is_refused_by_the_sender(pipe):
+    import numpy as np
+    raw = mp.empty(80, dtype=np.uint8)
+    t = torch.from_numpy(raw[3:67].view(np.float64))       # elements at an odd byte offset
+    for send in (pipe, lambda obj: pipe([obj])):           # the frame, and pickle
+        with pytest.raises(ValueError, match=r"not aligned.*clone\(\)"):
+            send(t)
+    assert torch.equal(pipe(t.clone()), t)
 
 
 def test_hostile_offsets_are_refused():

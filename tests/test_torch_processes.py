@@ -34,15 +34,17 @@ def in_sharedmp(t):
     return segment.containing(s.data_ptr(), s.nbytes())[0] is not None
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["one message", "a message each"])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_child_fills_tensors_received_through_a_queue(method, strategy):
+def test_child_fills_tensors_received_through_a_queue(method, strategy, alone):
     ctx = mp.get_context(method)
     q = ctx.Queue()
     x = torch.zeros(4, 3)
     y = torch.zeros(5, dtype=torch.int64)
-    p, conn = w.start(ctx, tw.fill_received, q, 7)
+    p, conn = w.start(ctx, tw.fill_received, q, 7, alone)
     try:
-        q.put([x, x[:, 1], y])
+        for message in ([x, x[:, 1], y],) if not alone else (x, x[:, 1], y):
+            q.put(message)
         info = w.result(p, conn)
     finally:
         conn.close()
@@ -233,6 +235,8 @@ def test_dataloader_with_sharedmp_spawn_context():
         assert torch.equal(batch["z"], torch.arange(3, dtype=torch.int32)[None] + batch["y"][:, None].int())
         pids.update(batch["pid"].tolist())
         assert all(mp.is_shared(t) for t in batch.values())
+        # collated by the workers into sharedmp arenas (_new_shared), not a torch file per tensor
+        assert all(segment.containing(t.data_ptr(), 1)[0] is not None for t in batch.values())
     assert seen == list(range(40))
     assert len(pids) == 2 and os.getpid() not in pids
     del loader, batch

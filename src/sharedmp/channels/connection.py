@@ -15,6 +15,7 @@ No connection back to the sender, ever (torch's file_descriptor strategy opens o
 tensor through multiprocessing's resource sharer).
 """
 import copyreg
+import importlib
 import io
 import math
 import os
@@ -54,16 +55,33 @@ def reducers_changed():
 
 
 FLAG_ARRAY = 1     # the payload is ``encode_array``'s header, not a pickle
+FLAG_TENSOR = 2    # the payload is ``encode_tensor``'s header (reductions/torch.py)
+
+# A message of one object of these types alone skips pickle: type -> (the reducer it has
+# while sharedmp's is registered, encode(obj, fds) -> payload or None, flag); and
+# flag -> decode(payload, fds). A user's own ForkingPickler registration turns it off.
+_encoders = {np.ndarray: (reduce_ndarray, encode_array, FLAG_ARRAY)}
+_decoders = {FLAG_ARRAY: decode_array}
+_LAZY = {FLAG_TENSOR: ("sharedmp.reductions.torch", "torch")}   # decoders that register on import
+
+
+def frame_kind(flag, decode, reducers, encode):
+    """Register a binary frame: ``decode`` for ``flag``; ``encode`` for each type of
+    ``reducers`` (type -> its sharedmp reducer)."""
+    _decoders[flag] = decode
+    for cls, reducer in reducers.items():
+        _encoders[cls] = (reducer, encode, flag)
 
 
 def dumps(obj):
-    """(payload, fds, flags) of ``obj``: its bytes (a pickle, or for an array alone a fixed
-    header), the fds it references (borrowed) and the frame's flags."""
-    if type(obj) is np.ndarray and ForkingPickler._extra_reducers.get(np.ndarray) is reduce_ndarray:
+    """(payload, fds, flags) of ``obj``: its bytes (a pickle, or for an array or a tensor
+    alone a fixed header), the fds it references (borrowed) and the frame's flags."""
+    kind = _encoders.get(type(obj))
+    if kind is not None and ForkingPickler._extra_reducers.get(type(obj)) is kind[0]:
         fds = fdpass.Fds()
-        payload = encode_array(obj, fds)
+        payload = kind[1](obj, fds)
         if payload is not None:
-            return payload, fds, FLAG_ARRAY
+            return payload, fds, kind[2]
     oob = fdpass.OutOfBand()
     prev = fdpass.swap(oob)
     try:
@@ -75,14 +93,27 @@ def dumps(obj):
     return buf.getbuffer(), oob.fds, 0
 
 
+def _decoder(flags):
+    decode = _decoders.get(flags)
+    if decode is None and flags in _LAZY:
+        module, needs = _LAZY[flags]
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ProtocolError(f"a frame of flags {flags:#x} needs {needs}, which this process cannot "
+                                f"import ({e}): install it here too") from None
+        decode = _decoders.get(flags)
+    if decode is None:
+        raise ProtocolError(f"frame with unknown flags {flags:#x}: the peer is a newer or "
+                            "another program, or the stream is corrupt")
+    return decode
+
+
 def loads(payload, fds, flags=0):
     """The object of a received frame; closes the received fds whatever happens."""
     if flags:
         try:
-            if flags == FLAG_ARRAY:
-                return decode_array(payload, fds)
-            raise ProtocolError(f"frame with unknown flags {flags:#x}: the peer is a newer or "
-                                "another program, or the stream is corrupt")
+            return _decoder(flags)(payload, fds)
         finally:
             fdpass.close_all(fds)
     prev = fdpass.swap(fdpass.OutOfBand(fds))

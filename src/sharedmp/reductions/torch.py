@@ -35,7 +35,8 @@ per storage as with torch.multiprocessing.
 torch's own ``UntypedStorage.share_memory_`` / ``is_shared`` are wrapped (``_patch_torch``)
 so that they know sharedmp memory: ``model.share_memory()`` on a model sharedmp already
 shares is a no-op instead of a copy into torch's memory that would cut it off from the
-other processes, and ``t.is_shared()`` says True.
+other processes, and ``t.is_shared()`` says True. ``UntypedStorage._new_shared`` (where
+DataLoader workers collate their batches) allocates sharedmp memory.
 
 Identity: ``_storages`` maps (mapping, offset, nbytes) -- or torch's fd identity / name
 -- to a weak reference to the storage of this process over that memory, filled when a
@@ -52,6 +53,7 @@ torch's own reducers, unchanged.
 import ctypes
 import functools
 import os
+import struct
 import threading
 import weakref
 from multiprocessing.reduction import DupFd, ForkingPickler
@@ -61,9 +63,10 @@ import torch.multiprocessing.reductions as _torch_reductions
 from torch.nn.parameter import Parameter
 
 from ..channels import connection, fdpass
-from ..errors import SegmentError
+from ..errors import ProtocolError, SegmentError
 from ..memory import arena, segment
 from ..strategy import get_sharing_strategy
+from .ndarray import _DIMS
 
 HAVE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _C_IS_SHARED = torch._C.StorageBase.is_shared        # torch's own answer (its shared memory)
@@ -160,16 +163,32 @@ def _move(storage, nbytes, ptr):
             return None
         mm, offset = arena.allocate(nbytes, get_sharing_strategy(), zero=False)   # memmove'd over
         seg = _segment_of(mm)
-        if _KEEP_BY_ATTRIBUTE:
-            shared = _construct(seg.address + offset, _cpu, nbytes)
-        else:
-            shared = torch.frombuffer(mm, dtype=_uint8, count=nbytes, offset=offset).untyped_storage()
+        shared = _storage_over(mm, seg.address, offset, nbytes)
         _memmove(seg.address + offset, ptr, nbytes)
         storage._swap_data_ptr_(shared)   # `shared` now owns the old bytes, freed with it
         if _KEEP_BY_ATTRIBUTE:
             storage._sharedmp_mapping = mm
         _remember((id(mm), offset, nbytes), storage)
         return seg, mm, offset
+
+
+def _storage_over(mm, address, offset, nbytes):
+    """A new UntypedStorage over ``nbytes`` of mapping ``mm`` (at ``address``) from ``offset``.
+    With ``_KEEP_BY_ATTRIBUTE`` the caller sets ``_sharedmp_mapping`` on the storage that
+    ends up owning the memory; otherwise the storage's deleter keeps ``mm``."""
+    if _KEEP_BY_ATTRIBUTE:
+        return _construct(address + offset, _cpu, nbytes)
+    return torch.frombuffer(mm, dtype=_uint8, count=nbytes, offset=offset).untyped_storage()
+
+
+def new_shared_storage(nbytes):
+    """A zeroed UntypedStorage of ``nbytes`` > 0 in sharedmp memory."""
+    mm, offset = arena.allocate(nbytes, get_sharing_strategy())
+    storage = _storage_over(mm, _segment_of(mm).address, offset, nbytes)
+    if _KEEP_BY_ATTRIBUTE:
+        storage._sharedmp_mapping = mm
+    _remember((id(mm), offset, nbytes), storage)
+    return storage
 
 
 _memmove = ctypes.memmove
@@ -581,6 +600,7 @@ def reduce_tensor(t):
         return rebuild_tensor, (storage, _dtype_code(t.dtype), t.storage_offset(), tuple(t.shape),
                                 t.stride(), _flags(t, cls), None if cls is torch.Tensor else cls)
     seg, _, offset = where
+    _check_aligned(t, offset)
     if cls is torch.Tensor and not t.requires_grad and not t.is_conj() and not t.is_neg():
         return rebuild_tensor_in_segment, (seg, offset, nbytes, _dtype_code(t.dtype),
                                            t.storage_offset(), tuple(t.shape), t.stride())
@@ -589,14 +609,27 @@ def reduce_tensor(t):
                                        None if cls in (torch.Tensor, Parameter) else cls)
 
 
+def _check_aligned(t, offset):
+    # Receivers refuse a tensor whose elements are not aligned (torch's kernels may crash on
+    # one: complex128 does). Only a view made by torch.from_numpy / frombuffer at an odd
+    # byte offset can be; say so here, in the sender, rather than lose the message there.
+    if offset % t.dtype.itemsize:
+        raise ValueError(f"this {t.dtype} tensor's memory is not aligned to its {t.dtype.itemsize}-byte "
+                         "elements (a torch.from_numpy or torch.frombuffer view at an odd byte offset): "
+                         "send an aligned copy, t.clone()")
+
+
 def rebuild_tensor_in_segment(mm, offset, nbytes, dtype, storage_offset, size, stride, flags=0, cls=None):
     """A tensor over its storage in a sharedmp segment (the storage found again if known here)."""
     dtype = _dtype(dtype)
+    itemsize = dtype.itemsize
+    if type(offset) is not int or offset % itemsize:
+        raise SegmentError(f"a {dtype} tensor at byte {offset!r} of its segment is not aligned to its "
+                           f"{itemsize}-byte elements: the message is corrupt or hostile")
     key = (id(mm), offset, nbytes)
     storage = _recall(key)
     if storage is None:
         _check_region(mm, offset, nbytes)
-        itemsize = dtype.itemsize
         t = _frombuffer(mm, dtype, nbytes // itemsize, offset) if nbytes % itemsize == 0 else None
         if t is not None:
             # One call makes the storage and (mostly: a whole 1-d storage) the tensor too.
@@ -622,6 +655,63 @@ def _frombuffer(mm, dtype, count, offset):
 def rebuild_tensor(storage, dtype, storage_offset, size, stride, flags, cls):
     t = torch.empty((0,), dtype=_dtype(dtype)).set_(storage, storage_offset, size, stride)
     return _finish(t, flags, cls)
+
+
+# A message of one tensor alone skips pickle (frame flag ``FLAG_TENSOR``, as ``encode_array``
+# for NumPy): a stream of small tensors would otherwise spend most of its time in pickle.
+# Header: the storage's offset in the segment and its nbytes, the tensor's storage_offset,
+# dtype code, flags (``_flags``), ndim; then ndim sizes and ndim strides (int64). The
+# segment's fd is the frame's only one.
+_THEAD = struct.Struct("<QQqBBB")
+_ALL_FLAGS = _REQUIRES_GRAD | _PARAMETER | _CONJ | _NEG
+
+
+def encode_tensor(t, fds):
+    """The frame payload of tensor ``t`` sent alone, its fd appended to ``fds``; None when it
+    needs pickle (not a plain strided CPU tensor in sharedmp file_descriptor memory)."""
+    cls = type(t)
+    if (cls is not torch.Tensor and cls is not Parameter) or (t.requires_grad and not t.is_leaf) \
+            or t.layout is not _strided or not t.is_cpu or t.is_nested or t.is_quantized \
+            or t._backward_hooks:
+        return None                       # the pickled path raises, warns or handles these
+    code = _DTYPE_CODE.get(t.dtype)
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if code is None or not nbytes:
+        return None
+    where = _place(storage, nbytes)
+    if where is None or where[0].kind != "file_descriptor":   # torch's memory; named segments
+        return None
+    seg, mm, offset = where
+    _check_aligned(t, offset)
+    fds.keep.append(mm)                   # alive until sent, even if ``t`` dies first
+    fds.append(seg.fd)
+    n = t.dim()
+    return (_THEAD.pack(offset, nbytes, t.storage_offset(), code, _flags(t, cls), n)
+            + _DIMS[n].pack(*t.shape, *t.stride()))
+
+
+def decode_tensor(payload, fds):
+    """The tensor of a frame made by ``encode_tensor`` (the caller closes ``fds``)."""
+    try:
+        offset, nbytes, storage_offset, code, flags, n = _THEAD.unpack_from(payload)
+        dims = _DIMS[n].unpack_from(payload, _THEAD.size)
+    except struct.error:
+        raise ProtocolError(f"malformed tensor frame ({len(payload)} bytes)") from None
+    if len(payload) != _THEAD.size + 16 * n:
+        raise ProtocolError(f"tensor frame of {len(payload)} bytes, its header says {_THEAD.size + 16 * n}")
+    if len(fds) != 1:
+        raise ProtocolError(f"tensor frame carries {len(fds)} fds instead of 1")
+    dtype = _DTYPES[code] if code < len(_DTYPES) else None
+    if dtype is None or flags & ~_ALL_FLAGS or (flags & (_CONJ | _NEG) and not (
+            dtype.is_complex or (dtype.is_floating_point and not flags & _CONJ))):
+        raise SegmentError(f"malformed tensor header: dtype code {code} ({dtype}), flags {flags:#x}")
+    mm = segment.attach_fd(fds[0])
+    try:
+        return rebuild_tensor_in_segment(mm, offset, nbytes, code, storage_offset, dims[:n], dims[n:], flags)
+    except (RuntimeError, ValueError, OverflowError) as e:   # torch's checks: sizes and strides vs the storage
+        raise SegmentError(f"malformed tensor header (sizes {dims[:n]}, strides {dims[n:]}, storage "
+                           f"offset {storage_offset}, storage of {nbytes} bytes): {e}") from None
 
 
 def _reduce_other_tensor(t):
@@ -682,6 +772,7 @@ def rebuild_nested_tensor(buffer, sizes, strides, offsets):
 # ---------------------------------------------------------------------------------------
 
 _torch_share_memory_ = torch.UntypedStorage.share_memory_
+_torch_new_shared = torch.UntypedStorage._new_shared.__func__    # (a classmethod)
 
 
 def _patch_torch():
@@ -700,8 +791,17 @@ def _patch_torch():
         """Whether the storage is in shared memory (torch's or sharedmp's)."""
         return storage_is_shared(self)
 
+    # DataLoader workers collate each batch into a storage made by _new_shared: torch's
+    # makes a shared-memory file per tensor (an fd to pass, a mapping to make and unmap at
+    # each end); sharedmp's carves it from an arena (one fd per arena per message).
+    def _new_shared(cls, size, *, device="cpu"):
+        if cls is torch.UntypedStorage and size > 0 and torch.device(device).type == "cpu":
+            return new_shared_storage(size)
+        return _torch_new_shared(cls, size, device=device)
+
     torch.UntypedStorage.share_memory_ = share_memory_
     torch.UntypedStorage.is_shared = is_shared
+    torch.UntypedStorage._new_shared = classmethod(functools.wraps(_torch_new_shared)(_new_shared))
     torch.UntypedStorage._sharedmp_patched = True
 
 
@@ -724,6 +824,8 @@ def register():
     reg(torch.Tensor, reduce_tensor)
     reg(Parameter, reduce_tensor)
     connection.reducers_changed()        # ours replace torch's: same count, new table
+    connection.frame_kind(connection.FLAG_TENSOR, decode_tensor,
+                          {torch.Tensor: reduce_tensor, Parameter: reduce_tensor}, encode_tensor)
     _patch_torch()
 
 
