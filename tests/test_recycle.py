@@ -129,6 +129,22 @@ def test_arenas_are_reused_and_zeroed():
     assert inode(again) == key and not again.any()
 
 
+def test_a_reused_arena_is_zeroed_only_once_zeros_are_needed():
+    arena._current.clear()
+    first = [mp.full(1000, 7, np.uint8) for _ in range(10)]
+    key = inode(first[0])
+    del first
+    arena._current.clear()
+    gc.collect()
+    f = mp.full(1000, 3, np.uint8)                       # overwritten anyway: nothing zeroed
+    current = arena._current["file_descriptor"]
+    assert inode(f) == key and current.dirty and (current.mapping[1024:2024] == 7).all()
+    z = mp.zeros(5000, np.uint8)                         # the first region that must be zero:
+    assert inode(z) == key and not z.any() and not current.dirty     # the rest is zeroed at once
+    assert not current.mapping[1024:].any() and (f == 3).all()
+    assert not mp.zeros(100, np.uint8).any()
+
+
 def test_kept_memory_and_fds_are_bounded():
     arrays = [mp.empty(BIG + 4096 * i, np.uint8) for i in range(40)]   # 40 different sizes
     del arrays

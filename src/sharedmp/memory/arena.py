@@ -8,7 +8,8 @@ of segments, and a message that references many of them carries one fd per arena
 A region is never handed out twice while its arena lives: other processes may still see
 it and there is no cheap cross-process free. The price: one live small array keeps its
 whole arena (at most ``ARENA_SIZE`` bytes) alive. A whole arena is reused (``recycle.py``)
-once no process holds it any more, zeroed again, so ``zeros`` needs no fill.
+once no process holds it any more; what is carved from it is zero (unless the caller
+overwrites it), so ``zeros`` needs no fill.
 """
 import os
 import threading
@@ -21,12 +22,16 @@ ALIGN = 64
 
 
 class _Arena:
-    __slots__ = ("mapping", "used", "where")
+    __slots__ = ("mapping", "used", "where", "dirty")
 
     def __init__(self, kind, where):
-        _, self.mapping = segment.create(ARENA_SIZE, kind)
+        seg, self.mapping = segment.create(ARENA_SIZE, kind, zero=False)
         self.used = 0
         self.where = where        # file_system: the directory it lives in
+        # A recycled arena keeps its old bytes until the first region that must be zero is
+        # carved: then the rest is zeroed at once. A producer whose regions are all copied
+        # over (torch tensors moved into shared memory) never pays for zeroing.
+        self.dirty = seg.dirty
 
 
 def _where(kind):
@@ -40,8 +45,8 @@ _lock = threading.Lock()
 def allocate(nbytes, kind, zero=True):
     """Shared memory no one else uses: (mapping, offset) with ``nbytes`` bytes at offset.
 
-    Zeroed, unless ``zero`` is false (the caller overwrites every byte): then a big
-    recycled segment keeps its old contents. Arenas are always zeroed when reused."""
+    Zeroed, unless ``zero`` is false (the caller overwrites every byte): then recycled
+    memory may keep its old contents."""
     if nbytes >= SMALL_LIMIT:
         return segment.create(nbytes, kind, zero)[1], 0
     where = _where(kind)
@@ -53,6 +58,9 @@ def allocate(nbytes, kind, zero=True):
             arena = _current[kind] = _Arena(kind, where)
         offset = arena.used
         arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
+        if zero and arena.dirty:
+            arena.mapping[offset:] = 0
+            arena.dirty = False
         return arena.mapping, offset
 
 

@@ -64,7 +64,7 @@ class Segment:
     """What this process knows of one segment; the mapping itself is held by the arrays."""
 
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
-                 "recycle", "__weakref__")
+                 "recycle", "dirty", "__weakref__")
 
     def __init__(self, kind, key, size, fd, name, mm, owner, path=None, recycle=None):
         self.kind = kind          # "file_descriptor" | "file_system"
@@ -77,6 +77,7 @@ class Segment:
         self.mapping = weakref.ref(mm)
         self.address = _address(mm)
         self.recycle = recycle    # (mmap, private fd) of a memfd segment this process made
+        self.dirty = False        # recycled and not zeroed (create(zero=False)): old bytes in it
 
     def __repr__(self):
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
@@ -355,6 +356,7 @@ def _adopt_memfd(size, mm, private, reused, zero):
         os.close(private)
     if zero and reused:
         lease.fill(0)
+    seg.dirty = reused and not zero
     _register(seg, lease)
     return seg, lease
 
