@@ -47,6 +47,13 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 F_SEAL_FUTURE_WRITE = 0x0010        # Linux >= 5.1; not in Python 3.11's fcntl module
 
 
+def extent(start, shape, strides, itemsize):
+    """The lowest byte a view touches and one past its highest (strides in bytes)."""
+    low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + itemsize
+    return low, high
+
+
 def open_fds(collect=False):
     segment.forget_recent()          # attached segments kept mapped on purpose are not leaks
     if collect:
@@ -297,8 +304,7 @@ def header_oracle(size, offset, shape, strides, dtype_str):
     if 0 in shape:
         fits = 0 <= offset <= size
     else:                             # the lowest and highest byte the view touches
-        low = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-        high = offset + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + dtype.itemsize
+        low, high = extent(offset, shape, strides, dtype.itemsize)
         fits = low >= 0 and high <= size if (high - low) > 0 else 0 <= offset <= size
     if not fits:
         return "does not fit"
@@ -364,8 +370,7 @@ def test_array_frame_bytes(payload, nfds, mangle):
             seg = next(x for x in segment.live_segments() if x.key[1] == os.fstat(fd).st_ino)
             if got.size and got.itemsize:
                 start = got.__array_interface__["data"][0]
-                low = start + sum((n - 1) * s for n, s in zip(got.shape, got.strides) if s < 0)
-                high = start + sum((n - 1) * s for n, s in zip(got.shape, got.strides) if s > 0) + got.itemsize
+                low, high = extent(start, got.shape, got.strides, got.itemsize)
                 assert seg.address <= low and high <= seg.address + seg.size, "a view outside the mapping"
         else:
             assert isinstance(got, (mp.ProtocolError, mp.SegmentError)), repr(got)
@@ -401,8 +406,8 @@ def test_tensor_frame_bytes(payload, nfds, mangle):
             seg = next(x for x in segment.live_segments() if x.key[1] == os.fstat(fd).st_ino)
             if got.numel() and got.element_size():
                 start = got.data_ptr()
-                low = start + sum((n - 1) * s for n, s in zip(got.shape, got.stride()) if s < 0) * got.element_size()
-                high = start + (sum((n - 1) * s for n, s in zip(got.shape, got.stride()) if s > 0) + 1) * got.element_size()
+                size = got.element_size()
+                low, high = extent(start, got.shape, [s * size for s in got.stride()], size)
                 assert seg.address <= low and high <= seg.address + seg.size, "a tensor outside the mapping"
                 if got.numel() <= 1 << 16:
                     got.clone()           # every element read: no SIGBUS
@@ -503,8 +508,7 @@ def check_view(a, fd, size, offset, shape, strides, dtype, readonly):
     assert (a.shape, a.strides, a.dtype) == (expected.shape, expected.strides, expected.dtype)
     if a.size and a.itemsize:
         start = a.__array_interface__["data"][0]
-        low = start + sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s < 0)
-        high = start + sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0) + a.itemsize
+        low, high = extent(start, a.shape, a.strides, a.itemsize)
         assert seg.address <= low and high <= seg.address + seg.size, "a view outside the mapping"
         if a.nbytes <= 1 << 20:
             assert a.tobytes() == expected.tobytes()         # every element read: no SIGBUS

@@ -708,7 +708,7 @@ def decode_tensor(payload, fds):
         raise SegmentError(f"malformed tensor header: dtype code {code} ({dtype}), flags {flags:#x}")
     mm = segment.attach_fd(fds[0])
     try:
-        return rebuild_tensor_in_segment(mm, offset, nbytes, code, storage_offset, dims[:n], dims[n:], flags)
+        return rebuild_tensor_in_segment(mm, offset, nbytes, dtype, storage_offset, dims[:n], dims[n:], flags)
     except (RuntimeError, ValueError, OverflowError) as e:   # torch's checks: sizes and strides vs the storage
         raise SegmentError(f"malformed tensor header (sizes {dims[:n]}, strides {dims[n:]}, storage "
                            f"offset {storage_offset}, storage of {nbytes} bytes): {e}") from None
