@@ -202,10 +202,16 @@ def frame_oracle(payload, with_header, nfds, batches, length, magic, version, fl
         if marker != b"+" or count == 0 or have + count > nfds:
             return mp.ProtocolError, "fd batches"
         have += count
-    stream = b"".join(m for m, _ in rest) + payload     # batches not asked for read as payload
-    if len(stream) < length:
+    records = [m for m, _ in rest] + ([payload] if payload else [])   # batches not asked for: payload
+    body = b""
+    for record in records:            # records are taken whole, until the length is reached
+        if len(body) == length:
+            break
+        if len(body) + len(record) > length:
+            return mp.ProtocolError, "runs past the end of its frame"
+        body += record
+    if len(body) < length:
         return mp.ProtocolError, r"middle of a frame \(payload\)"
-    body = stream[:length]
     if flags == 1:                    # an array frame (encode_array): a pickle is never a valid one
         return OSError, r"array (frame|header)|does not fit|segment"
     if flags == 2:                    # a tensor frame (encode_tensor): neither is it one

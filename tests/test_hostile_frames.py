@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import sharedmp as mp
-from sharedmp.channels.fdpass import HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD, VERSION
+from sharedmp.channels.fdpass import HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD, RECORD, VERSION
 from sharedmp.memory import segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
 from sharedmp.reductions.segment import rebuild_fd_in_band
@@ -171,6 +171,30 @@ def test_claims_100_bytes_sends_10_then_closes(pipe):
     raw.sendall(frame(b"0123456789", length=100))
     a.close()
     with pytest.raises(mp.ProtocolError, match=r"peer closed the connection in the middle of a frame \(payload\)"):
+        recv_now(b)
+
+
+def test_first_record_runs_past_its_frame(pipe):
+    raw, a, b = pipe
+    raw.sendall(frame(b"0123456789", length=4))          # one record: header + 10 bytes, 4 claimed
+    raw.sendall(frame(payload_of("next")))
+    with pytest.raises(mp.ProtocolError, match="carries 10 payload bytes, its header announces 4"):
+        recv_now(b)
+    assert recv_now(b) == "next"                      # records keep frames apart: the next is whole
+
+
+def test_payload_record_runs_past_its_frame(pipe):
+    raw, a, b = pipe
+    raw.sendall(frame(length=4))
+    raw.sendall(b"0123456789")
+    with pytest.raises(mp.ProtocolError, match=r"record of 10 bytes runs past the end of its frame \(4 bytes"):
+        recv_now(b)
+
+
+def test_record_longer_than_any_sharedmp_sends(pipe):
+    raw, a, b = pipe
+    raw.sendall(frame(b"x" * RECORD))                 # 16 bytes more than the largest record
+    with pytest.raises(mp.ProtocolError, match=f"record longer than {RECORD} bytes"):
         recv_now(b)
 
 

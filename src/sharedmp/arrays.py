@@ -14,8 +14,15 @@ from .strategy import get_sharing_strategy
 
 
 def _shape(shape):
-    if type(shape) is int and shape >= 0:        # the common case, first: this runs per array
+    # The common cases first, without generators: this runs for every array allocated.
+    if type(shape) is int and shape >= 0:
         return (shape,)
+    if type(shape) is tuple:
+        for n in shape:
+            if type(n) is not int or n < 0:
+                break
+        else:
+            return shape
     if isinstance(shape, int):
         shape = (shape,)
     elif type(shape) is not tuple or not all(type(n) is int for n in shape):
@@ -56,6 +63,8 @@ def _new(shape, dtype, order, zero):
     shape, dtype = _shape(shape), _plain_dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     mapping, offset = arena.allocate(nbytes, get_sharing_strategy(), zero)
+    if order == "C":             # (the default, passed on, costs a third of the call)
+        return np.ndarray(shape, dtype, buffer=mapping, offset=offset)
     return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order=order)
 
 

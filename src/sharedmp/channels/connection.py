@@ -1,4 +1,4 @@
-"""Connections over AF_UNIX stream sockets that carry the fds of what they send.
+"""Connections over AF_UNIX seqpacket sockets that carry the fds of what they send.
 
 The path of one array (compare multiprocessing.connection, changed: frames carry fds)::
 
@@ -128,7 +128,7 @@ def loads(payload, fds, flags=0):
 
 
 def socketpair():
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a, b = socket.socketpair(socket.AF_UNIX, fdpass.SOCK_TYPE)
     for s in (a, b):
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:

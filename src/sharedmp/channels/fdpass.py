@@ -70,22 +70,28 @@ def swap(oob):
 
 
 # ---------------------------------------------------------------------------------------
-# Frames on an AF_UNIX stream socket.
+# Frames on an AF_UNIX SOCK_SEQPACKET socket. Records keep their boundaries, so a receiver
+# reads a small frame -- header, fds and payload -- in one recvmsg, and never reads into
+# the next frame (which may be another consumer's: a queue has many).
 #
-#   header  <2sBBIQ: magic b"SM", version, flags, fd count, payload length (16 bytes)
-#           sent with the first <= 253 fds (SCM_MAX_FD) in SCM_RIGHTS
-#   marker  one byte b"+" per further batch of <= 253 fds (a message may reference more)
-#   payload the pickled bytes
+#   first record   header <2sBBIQ: magic b"SM", version, flags, fd count, payload length
+#                  (16 bytes), with the first <= 253 fds (SCM_MAX_FD) in SCM_RIGHTS; then the
+#                  payload's first bytes, when the fds fit in this record
+#   fd records     b"+" with each further batch of <= 253 fds (a message may reference more)
+#   payload        the rest of the pickled bytes, in records of at most RECORD bytes
 #
 # A receiver checks the magic, that the fds that arrived are the fds announced (and that
-# the kernel truncated none: MSG_CTRUNC), that the length is sane and that the peer does
-# not close mid-frame; each failure is a ProtocolError, and the fds that did arrive are
-# closed. A claimed length is never allocated up front beyond what has arrived.
+# the kernel truncated none: MSG_CTRUNC), that the length is sane, that no record runs
+# past the frame and that the peer does not close mid-frame; each failure is a
+# ProtocolError, and the fds that did arrive are closed. A claimed length is never
+# allocated up front beyond what has arrived.
 # ---------------------------------------------------------------------------------------
 
+SOCK_TYPE = socket.SOCK_SEQPACKET
 HEADER = struct.Struct("<2sBBIQ")
 MAGIC = b"SM"
 VERSION = 1
+RECORD = 1 << 16                      # the largest record sent (the socket buffer takes more)
 MAX_FDS_PER_MSG = 253                 # SCM_MAX_FD in the Linux kernel
 MAX_FDS = 1 << 16                     # a sane bound on the fds of one message
 MAX_PAYLOAD = 1 << 40                 # a sane bound on one message's bytes (1 TiB)
@@ -93,6 +99,7 @@ _EAGER = 16 << 20                     # payloads up to this size are allocated a
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)      # plain ints: enum flag arithmetic is slow
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 
 
 def _rights(fds):
@@ -121,22 +128,25 @@ def _sendmsg(sock, buffers, fds):
 
 
 def send_frame(sock, payload, fds=(), flags=0):
-    """Send one frame: the header with the fds, then the payload (blocking)."""
+    """Send one frame: a record of the header, the fds and (most often) the whole payload,
+    then the records of what did not fit (blocking). A record is sent whole or not at all."""
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
-    if len(payload) <= 65536 and len(fds) <= MAX_FDS_PER_MSG:     # the whole frame in one sendmsg
-        sent = _sendmsg(sock, [header, payload], fds)
-        if sent < len(header) + len(payload):  # a stream socket may take a part; the fds went with it
-            sock.sendall((header + payload)[sent:])
-        return
-    first, rest = fds[:MAX_FDS_PER_MSG], fds[MAX_FDS_PER_MSG:]
-    sent = _sendmsg(sock, [header], first)
-    if sent < len(header):
-        sock.sendall(header[sent:])
-    for i in range(0, len(rest), MAX_FDS_PER_MSG):
-        _sendmsg(sock, [b"+"], rest[i:i + MAX_FDS_PER_MSG])
-    sock.sendall(payload)
+    if len(fds) <= MAX_FDS_PER_MSG:
+        if len(payload) <= RECORD - HEADER.size:          # the usual case: one record
+            _sendmsg(sock, [header, payload], fds)
+            return
+        done = RECORD - HEADER.size
+        _sendmsg(sock, [header, payload[:done]], fds)
+    else:
+        done = 0
+        _sendmsg(sock, [header], fds[:MAX_FDS_PER_MSG])
+        for i in range(MAX_FDS_PER_MSG, len(fds), MAX_FDS_PER_MSG):
+            _sendmsg(sock, [b"+"], fds[i:i + MAX_FDS_PER_MSG])
+    view = memoryview(payload)
+    for i in range(done, len(payload), RECORD):
+        sock.sendmsg([view[i:i + RECORD]])
 
 
 def close_all(fds):
@@ -147,73 +157,77 @@ def close_all(fds):
             pass
 
 
-def _take_fds(ancdata, msg_flags, fds):
-    """Append the fds of a recvmsg result to ``fds``; raise if the kernel dropped some."""
-    for level, kind, data in ancdata:
+def _record(sock, fds, what=None):
+    """The next record, its fds appended to ``fds``; raises if the kernel dropped some fds or
+    cut the record (one longer than any sharedmp sends), or if the peer closed in the middle
+    of ``what`` (without ``what``, a closed peer gives b"")."""
+    data, ancdata, msg_flags, _ = sock.recvmsg(RECORD, _CMSG_SPACE, _CLOEXEC)
+    for level, kind, cdata in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             a = array.array("i")
-            a.frombytes(data[:len(data) - len(data) % a.itemsize])
+            a.frombytes(cdata[:len(cdata) - len(cdata) % a.itemsize])
             fds.extend(a)
-    if msg_flags & _MSG_CTRUNC:
-        raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
-                            "receiver's fd limit is too low (raise it with `ulimit -n`)")
+    if msg_flags & (_MSG_CTRUNC | _MSG_TRUNC):
+        if msg_flags & _MSG_CTRUNC:
+            raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
+                                "receiver's fd limit is too low (raise it with `ulimit -n`)")
+        raise ProtocolError(f"a record longer than {RECORD} bytes ({what or 'header'}): the peer is not a "
+                            "sharedmp channel of this version")
+    if not data and what is not None:
+        raise ProtocolError(f"peer closed the connection in the middle of a frame ({what})")
+    return data
 
 
-def _recv_exact(sock, n, what):
-    """``n`` bytes. A small read is usually all there: one recv, no buffer to fill."""
-    got = 0
-    if n <= 65536:
-        data = sock.recv(n)
-        if len(data) == n:
-            return data
-        if not data:
-            raise ProtocolError(f"peer closed the connection in the middle of a frame ({what})")
-        got = len(data)
-    buf = bytearray(n)
-    if got:
-        buf[:got] = data
-    view = memoryview(buf)
-    while got < n:
-        k = sock.recv_into(view[got:])
+def _recv_payload(sock, payload, got, length):
+    """Fill ``payload`` (a bytearray of ``got`` bytes so far) with records up to ``length``
+    bytes, growing it as data arrives: a lying length costs nothing."""
+    while got < length:
+        want = min(RECORD, length - got)
+        if len(payload) - got < want:
+            payload.extend(bytes(min(length, max(_EAGER, 2 * len(payload))) - len(payload)))
+        with memoryview(payload) as view:
+            # A record is taken whole: MSG_TRUNC makes recv_into tell its true length.
+            k = sock.recv_into(view[got:got + want], want, _MSG_TRUNC)
         if k == 0:
-            raise ProtocolError(f"peer closed the connection in the middle of a frame ({what})")
+            raise ProtocolError("peer closed the connection in the middle of a frame (payload)")
+        if k > want:
+            raise ProtocolError(f"a record of {k} bytes runs past the end of its frame ({length - got} "
+                                "bytes were due): the peer is not a sharedmp channel, or the stream is corrupt")
         got += k
-    return buf
+    return payload
 
 
 def recv_frame(sock):
     """Receive one frame: (payload bytes or bytearray, fds, flags). EOFError on a clean end of stream."""
     fds = []
     try:
-        data, ancdata, msg_flags, _ = sock.recvmsg(HEADER.size, _CMSG_SPACE, _CLOEXEC)
-        _take_fds(ancdata, msg_flags, fds)
+        data = _record(sock, fds)
         if not data:
             raise EOFError("the other end of the channel was closed")
-        if len(data) < HEADER.size:
-            data += _recv_exact(sock, HEADER.size - len(data), "header")
-        magic, version, flags, nfds, length = HEADER.unpack(data)
+        while len(data) < HEADER.size:          # a header in pieces: not from sharedmp, but fine
+            data += _record(sock, fds, "header")
+        magic, version, flags, nfds, length = HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION:
-            raise ProtocolError(f"not a sharedmp frame (header {bytes(data)!r}): the peer is not "
-                                "a sharedmp channel of this version, or the stream is corrupt")
+            raise ProtocolError(f"not a sharedmp frame (header {bytes(data[:HEADER.size])!r}): the peer "
+                                "is not a sharedmp channel of this version, or the stream is corrupt")
         if nfds > MAX_FDS or length > MAX_PAYLOAD:
             raise ProtocolError(f"frame announces {nfds} fds and {length} bytes: over the sane bounds")
         if len(fds) != min(nfds, MAX_FDS_PER_MSG):
             raise ProtocolError(f"frame announces {nfds} fds but {len(fds)} arrived with its header")
         while len(fds) < nfds:
-            data, ancdata, msg_flags, _ = sock.recvmsg(1, _CMSG_SPACE, _CLOEXEC)
             before = len(fds)
-            _take_fds(ancdata, msg_flags, fds)
-            if data != b"+" or len(fds) == before or len(fds) > nfds:
+            if _record(sock, fds, "fds") != b"+" or len(fds) == before or len(fds) > nfds:
                 raise ProtocolError(f"frame announces {nfds} fds but the fd batches that follow "
                                     "do not match")
-        if length <= _EAGER:
-            payload = _recv_exact(sock, length, "payload")
-        else:                          # grow as data arrives: a lying length costs nothing
-            payload = bytearray()
-            while len(payload) < length:
-                payload += _recv_exact(sock, min(length - len(payload), max(_EAGER, len(payload))),
-                                       "payload")
-        return payload, fds, flags
+        got = len(data) - HEADER.size
+        if got == length:                                   # the usual case: all in one record
+            return data[HEADER.size:], fds, flags
+        if got > length:
+            raise ProtocolError(f"a frame's first record carries {got} payload bytes, its header "
+                                f"announces {length}: the stream is corrupt")
+        payload = bytearray(min(length, _EAGER))
+        payload[:got] = memoryview(data)[HEADER.size:]
+        return _recv_payload(sock, payload, got, length), fds, flags
     except BaseException:
         close_all(fds)
         raise

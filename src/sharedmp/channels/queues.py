@@ -34,9 +34,12 @@ _SENTINEL = object()
 # multiprocessing's children: the feeder thread, its lock and the fds it holds for unsent
 # messages belong to the parent.
 _queues = weakref.WeakSet()
+_pid = os.getpid()            # (os.getpid() is a system call: put() asks for every message)
 
 
 def _after_fork_in_child():
+    global _pid
+    _pid = os.getpid()
     for q in list(_queues):
         q._after_fork()
 
@@ -187,7 +190,7 @@ class Queue:
         pass
 
     def _send(self, payload, fds, flags):
-        if os.getpid() != self._creator:
+        if _pid != self._creator:
             with self._wlock:
                 fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
             return

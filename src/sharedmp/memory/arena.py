@@ -34,10 +34,6 @@ class _Arena:
         self.dirty = seg.dirty
 
 
-def _where(kind):
-    return segment.shm_dir() if kind == "file_system" else None
-
-
 _current = {}              # strategy -> its current _Arena
 _lock = threading.Lock()
 
@@ -49,7 +45,7 @@ def allocate(nbytes, kind, zero=True):
     memory may keep its old contents."""
     if nbytes >= SMALL_LIMIT:
         return segment.create(nbytes, kind, zero)[1], 0
-    where = _where(kind)
+    where = segment.shm_dir() if kind == "file_system" else None
     with _lock:
         arena = _current.get(kind)
         if arena is None or arena.used + nbytes > ARENA_SIZE or arena.where != where:

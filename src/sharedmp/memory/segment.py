@@ -405,9 +405,8 @@ def attach_fd(fd):
     except OSError as e:
         raise SegmentError(f"received fd {fd} is not usable: {e}") from None
     key = (st.st_dev, st.st_ino)
-    with _lock:
-        seg = _by_key.get(key)
-        mm = seg.mapping() if seg is not None else None
+    seg = _by_key.get(key)        # (one dict read needs no lock: this runs for every array received)
+    mm = seg.mapping() if seg is not None else None
     if mm is not None:
         return mm
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:

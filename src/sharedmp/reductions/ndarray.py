@@ -123,29 +123,29 @@ def decode_array(payload, fds):
     """The array of a frame made by ``encode_array`` (the caller closes ``fds``)."""
     try:
         offset, n, k, readonly = _HEAD.unpack_from(payload)
-        code = bytes(payload[_HEAD.size:_HEAD.size + k]).decode("ascii")
+        code = payload[_HEAD.size:_HEAD.size + k]
         dims = _DIMS[n].unpack_from(payload, _HEAD.size + k)
-    except (struct.error, UnicodeDecodeError):
+    except struct.error:
         raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
     if len(payload) != _HEAD.size + k + 16 * n:
         raise ProtocolError(f"array frame of {len(payload)} bytes, its header says {_HEAD.size + k + 16 * n}")
     if len(fds) != 1:
         raise ProtocolError(f"array frame carries {len(fds)} fds instead of 1")
     shape, strides = dims[:n], dims[n:]
-    dtype = _dtype(code)               # struct gave ints; only their signs and bounds are left
+    dtype = _dtype(bytes(code))        # struct gave ints; only their signs and bounds are left
     if n and min(shape) < 0 or dtype.hasobject:
         raise SegmentError(f"malformed array header: dtype={dtype!r} shape={shape!r}")
     return _view(segment.attach_fd(fds[0]), offset, shape, strides, dtype, readonly)
 
 
-_dtypes = {}       # dtype string -> np.dtype, for the strings seen (parsing one costs more than the rest)
+_dtypes = {}       # dtype string (str or ascii bytes) -> np.dtype, for those seen (parsing costs more than the rest)
 
 
 def _dtype(code):
     dtype = _dtypes.get(code)
     if dtype is None:
         try:
-            dtype = np.dtype(code)
+            dtype = np.dtype(code.decode("ascii") if type(code) is bytes else code)
         except Exception:            # TypeError, ValueError, SyntaxError: whatever the string was
             raise SegmentError(f"malformed array header: dtype {code!r}") from None
         if len(_dtypes) < 256:
@@ -167,13 +167,15 @@ def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
 
 def _view(mapping, offset, shape, strides, dtype, readonly):
     """The view, once its header is well typed: only if it lies inside ``mapping``."""
-    lo, end = _extent(shape, strides, dtype.itemsize)
+    contiguous = len(shape) == 1 and strides[0] == dtype.itemsize     # the common case, faster
+    lo, end = (0, shape[0] * strides[0]) if contiguous else _extent(shape, strides, dtype.itemsize)
     fits = (0 <= offset + lo and offset + end <= len(mapping)) if end else 0 <= offset <= len(mapping)
     if not fits:
         raise SegmentError(f"array of shape {shape} at offset {offset} with strides {strides} does not "
                            f"fit in its segment of {len(mapping)} bytes: the message is corrupt or hostile")
     try:
-        a = np.ndarray(shape, dtype, buffer=mapping, offset=offset, strides=strides)
+        a = (np.ndarray(shape, dtype, buffer=mapping, offset=offset) if contiguous else
+             np.ndarray(shape, dtype, buffer=mapping, offset=offset, strides=strides))
     except (ValueError, TypeError, OverflowError) as e:    # too many dimensions, too big, ...
         raise SegmentError(f"malformed array header: shape={shape!r} strides={strides!r} dtype={dtype!r}: "
                            f"{e}") from None
