@@ -100,10 +100,12 @@ _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)      # plain ints: enum flag arithmetic is slow
 _MSG_TRUNC = int(socket.MSG_TRUNC)
+_SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
+_FDS = [struct.Struct(f"{n}i") for n in range(MAX_FDS_PER_MSG + 1)]   # the fds of a record, by count
 
 
 def _rights(fds):
-    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    return [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))]
 
 
 def _sendmsg(sock, buffers, fds):
@@ -163,10 +165,8 @@ def _record(sock, fds, what=None):
     of ``what`` (without ``what``, a closed peer gives b"")."""
     data, ancdata, msg_flags, _ = sock.recvmsg(RECORD, _CMSG_SPACE, _CLOEXEC)
     for level, kind, cdata in ancdata:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            a = array.array("i")
-            a.frombytes(cdata[:len(cdata) - len(cdata) % a.itemsize])
-            fds.extend(a)
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds.extend(_FDS[len(cdata) // 4].unpack_from(cdata))
     if msg_flags & (_MSG_CTRUNC | _MSG_TRUNC):
         if msg_flags & _MSG_CTRUNC:
             raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
