@@ -21,7 +21,8 @@ import pytest
 
 import sharedmp as mp
 from sharedmp.channels.fdpass import HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD, RECORD, VERSION
-from sharedmp.memory import segment
+from sharedmp.channels.connection import dumps
+from sharedmp.memory import arena, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
 from sharedmp.reductions.segment import rebuild_fd_in_band
 
@@ -299,16 +300,35 @@ def test_fd_batches_that_do_not_match(pipe):
 
 
 def test_more_fds_than_one_message_carries_honestly():
-    """The honest counterpart: 300 distinct segments in one message (2 fd batches)."""
+    """The honest counterpart: 300 distinct segments in one message (2 fd batches), with a
+    payload of several records after them."""
     a, b = mp.Pipe()
     with a, b:
-        big = [mp.zeros(300_000, dtype=np.uint8) for _ in range(300)]   # one segment each
+        big = [mp.zeros(arena.SMALL_LIMIT, dtype=np.uint8) for _ in range(300)]   # one segment each
         for i, x in enumerate(big):
             x[0] = i % 251
-        a.send(big[:2] + big[2:])
-        got = recv_now(b)
+        tail = bytes(range(256)) * 1000                   # 256,000 bytes: 4 records
+        assert len(dumps((big, tail))[1]) == 300
+        a.send((big, tail))
+        got, got_tail = recv_now(b)
         assert [int(x[0]) for x in got] == [i % 251 for i in range(300)]
+        assert got_tail == tail
         del got, big
+
+
+@pytest.mark.parametrize("size", [0, RECORD - HEADER.size - 1, RECORD - HEADER.size, RECORD - HEADER.size + 1,
+                                  3 * RECORD + 5])
+def test_payloads_around_the_record_size(size):
+    a, b = mp.Pipe()
+    with a, b:
+        data = bytes(i % 253 for i in range(size))
+        t = threading.Thread(target=a.send_bytes, args=(data,))   # may take more than the socket buffer
+        t.start()
+        try:
+            assert b.poll(TIMEOUT)
+            assert b.recv_bytes() == data
+        finally:
+            t.join(TIMEOUT)
 
 
 def test_raw_bytes_with_fds_are_dropped_by_recv_bytes(pipe):
