@@ -367,3 +367,11 @@ def test_connection_sent_through_a_pipe_to_another_process(method):
         ctl_parent.close()
         mine.close()
         join_or_kill(p)
+
+
+def test_socket_buffer_too_small_for_a_record_is_refused_up_front(monkeypatch):
+    """(A kernel whose net.core.wmem_max is below two records: here a record larger than any buffer.)"""
+    from sharedmp.channels import fdpass
+    monkeypatch.setattr(fdpass, "RECORD", 1 << 30)
+    with pytest.raises(OSError, match="wmem_max"):
+        mp.Pipe()

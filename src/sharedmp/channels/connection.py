@@ -135,6 +135,14 @@ def socketpair():
                 s.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
             except OSError:
                 pass
+    # A record larger than the send buffer cannot be sent at all (EMSGSIZE): say so now,
+    # not on the first large message.
+    granted = min(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in (a, b))
+    if granted < 2 * fdpass.RECORD:
+        a.close()
+        b.close()
+        raise OSError(f"the kernel grants socket buffers of {granted} bytes, and sharedmp's channels need "
+                      f"{2 * fdpass.RECORD}: raise net.core.wmem_max (sysctl)")
     return a, b
 
 
