@@ -58,9 +58,16 @@ def send_then_exit(conn, n):
 
 # -- many producers, many consumers ----------------------------------------------------
 
-def produce_tagged(q, producer, n):
+def tag_bytes(producer, seq, size):
+    """``size`` bytes that name their message: a frame of several records when large."""
+    return bytes([producer, seq % 256]) * (size // 2)
+
+
+def produce_tagged(q, producer, n, big=0):
+    """put (producer, seq, array[, bytes]): every 10th message also carries ``big`` bytes."""
     for seq in range(n):
-        q.put((producer, seq, mp.full(4, producer * 100_000 + seq, dtype=np.int64)))
+        item = (producer, seq, mp.full(4, producer * 100_000 + seq, dtype=np.int64))
+        q.put(item + (tag_bytes(producer, seq, big),) if big and seq % 10 == 0 else item)
 
 
 def consume_tagged(q, out):
@@ -71,8 +78,10 @@ def consume_tagged(q, out):
             item = q.get(timeout=TIMEOUT)
             if item is None:
                 return got
-            producer, seq, a = item
+            producer, seq, a = item[:3]
             ok = mp.is_shared(a) and bool((a == producer * 100_000 + seq).all())
+            if len(item) == 4:
+                ok = ok and item[3] == tag_bytes(producer, seq, len(item[3]))
             got.append((producer, seq, ok))
     _report(out, run)
 

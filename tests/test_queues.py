@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import sharedmp as mp
-from sharedmp.channels import queues
+from sharedmp.channels import fdpass, queues
+from sharedmp.channels.connection import dumps
 
 import _channel_workers as cw
 from conftest import TIMEOUT, join_or_kill
@@ -395,13 +396,16 @@ def test_producer_exits_right_after_last_put(method, kind):
     close_queue(q)
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_4_producers_4_consumers(method):
+@pytest.mark.parametrize("method,big", [("fork", 0), ("spawn", 0), ("fork", 200_000)])
+def test_4_producers_4_consumers(method, big):
+    """With ``big``, every 10th message is a frame of several records (200 KB of bytes):
+    concurrent producers and consumers must never interleave them."""
+    assert not big or len(dumps(cw.tag_bytes(0, 0, big))[0]) > 3 * fdpass.RECORD   # several records
     ctx = mp.get_context(method)
     q, out = ctx.Queue(), ctx.Queue()
     nprod, ncons, n = 4, 4, 150
     consumers = [start(ctx, cw.consume_tagged, q, out) for _ in range(ncons)]
-    producers = [start(ctx, cw.produce_tagged, q, pid, n) for pid in range(nprod)]
+    producers = [start(ctx, cw.produce_tagged, q, pid, n, big) for pid in range(nprod)]
     try:
         finish(*producers)
         for _ in range(ncons):
