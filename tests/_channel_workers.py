@@ -219,3 +219,16 @@ def is_shared(a):
 
 if __name__ == "__main__":
     sys.exit("not a script")
+
+
+def get_forever(q, started):
+    """Block in q.get() (the test kills this process there)."""
+    started.set()
+    q.get()
+
+
+def put_until_blocked(q, started):
+    """put() large messages until the socket is full and put() blocks (the test kills it there)."""
+    started.set()
+    while True:
+        q.put(b"x" * 200_000)

@@ -31,7 +31,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import sharedmp as mp
-from sharedmp.channels.fdpass import HEADER, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MAX_PAYLOAD, VERSION
+from sharedmp.channels.fdpass import (FDS_ON_SOCKET, HEADER, KIND, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MAX_PAYLOAD,
+                                      PAYLOAD_IN_MEMFD, VERSION)
 from sharedmp.memory import manager, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
 
@@ -81,18 +82,25 @@ class Array:
         return rebuild_ndarray, self.args
 
 
+MEMFD_SIZE = 4096                   # the size of the memfds that frames carry
+
+
+def memfd_pattern(size):
+    return bytes((i * 7 + 3) & 0xFF for i in range(size))
+
+
 def sealed_memfd(size, pattern=True, seals=SEALS):
     fd = os.memfd_create("fuzz", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if pattern and size:
-        os.pwrite(fd, bytes((i * 7 + 3) & 0xFF for i in range(size)), 0)
+        os.pwrite(fd, memfd_pattern(size), 0)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
 
 
 def exchange(data_chunks, payload_obj_fds=()):
-    """Write ``data_chunks`` [(bytes, fds)] on a fresh Pipe, close the writer, recv() once.
+    """Write ``data_chunks`` [(bytes, fds)], a record each, on a fresh Pipe, close the writer, recv() once.
 
     Returns ("ok", value) or ("raised", exception); checks that no fd was left open.
     """
@@ -153,75 +161,58 @@ def mostly(draw, usual, other, one_in=5):
 
 @st.composite
 def frames(draw):
-    """A frame as a hostile or honest peer would write it, and the bytes/fds it consists of."""
+    """A frame as a hostile or honest peer would write it: one record and its fds."""
     obj = draw(simple)
     payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     if draw(st.integers(0, 5)) == 0:
         payload = payload[:draw(st.integers(0, len(payload) - 1))]          # a truncated pickle
     honest_len = len(payload)
-    big = draw(st.integers(0, 5)) == 0                                      # more than SCM_MAX_FD fds
-    with_header = MAX_FDS_PER_MSG if big else draw(st.integers(0, 3))
-    honest_nfds = with_header + (draw(st.integers(1, 6)) if big else 0)
-    nfds = mostly(draw, st.just(honest_nfds), st.one_of(
+    with_record = mostly(draw, st.integers(0, 3), st.integers(0, MAX_FDS_PER_MSG))   # fds sent
+    nfds = mostly(draw, st.just(with_record), st.one_of(
         st.integers(0, 6), st.integers(MAX_FDS_PER_MSG, MAX_FDS_PER_MSG + 6), st.integers(MAX_FDS - 1, 2 ** 32 - 1)))
-    batches = []
-    if big:                           # honest: b"+" with the fds still due, in batches
-        due = honest_nfds - with_header
-        while due:
-            k = draw(st.integers(1, due))
-            batches.append((b"+", k))
-            due -= k
-        if draw(st.integers(0, 2)) == 0:
-            batches = draw(st.lists(st.tuples(st.sampled_from([b"+", b"+", b"x"]), st.integers(0, 3)),
-                                    max_size=4))
     length = mostly(draw, st.just(honest_len), st.one_of(
         st.integers(0, honest_len + 64), st.integers(MAX_PAYLOAD - 2, MAX_PAYLOAD + 2),
         st.integers(2 ** 63, 2 ** 64 - 1)))
     magic = mostly(draw, st.just(MAGIC), st.binary(min_size=2, max_size=2), one_in=10)
     version = mostly(draw, st.just(VERSION), st.integers(0, 255), one_in=10)
     flags = mostly(draw, st.just(0), st.integers(1, 255), one_in=4)
-    cut = mostly(draw, st.none(), st.integers(1, HEADER.size - 1), one_in=10)
-    return obj, payload, with_header, nfds, batches, length, magic, version, flags, cut
+    cut = mostly(draw, st.none(), st.integers(1, HEADER.size - 1), one_in=10)   # a record shorter than a header
+    return obj, payload, with_record, nfds, length, magic, version, flags, cut
 
 
-def frame_oracle(payload, with_header, nfds, batches, length, magic, version, flags, cut):
+def frame_oracle(payload, with_record, nfds, length, magic, version, flags, cut):
     """(kind, pattern-or-value): what recv() must do, following the protocol step by step."""
     if cut is not None:
-        return mp.ProtocolError, r"middle of a frame \(header\)"
+        return mp.ProtocolError, "shorter than a frame header"
     if magic != MAGIC or version != VERSION:
         return mp.ProtocolError, "not a sharedmp frame"
     if nfds > MAX_FDS or length > MAX_PAYLOAD:
         return mp.ProtocolError, "over the sane bounds"
-    if with_header != min(nfds, MAX_FDS_PER_MSG):
-        return mp.ProtocolError, f"announces {nfds} fds but {with_header} arrived"
-    have, rest = with_header, list(batches)
-    while have < nfds:                # each batch: one marker byte b"+" with 1..253 fds
-        if not rest:                  # the next byte read is the payload's (or EOF)
-            return mp.ProtocolError, "fd batches"
-        marker, count = rest.pop(0)
-        if marker != b"+" or count == 0 or have + count > nfds:
-            return mp.ProtocolError, "fd batches"
-        have += count
-    records = [m for m, _ in rest] + ([payload] if payload else [])   # batches not asked for: payload
-    body = b""
-    for record in records:            # records are taken whole, until the length is reached
-        if len(body) == length:
-            break
-        if len(body) + len(record) > length:
-            return mp.ProtocolError, "runs past the end of its frame"
-        body += record
-    if len(body) < length:
-        return mp.ProtocolError, r"middle of a frame \(payload\)"
-    if flags == 1:                    # an array frame (encode_array): a pickle is never a valid one
+    in_memfd, on_socket = flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET
+    if with_record != (1 if on_socket else nfds) + (1 if in_memfd else 0):
+        return mp.ProtocolError, f"announces {nfds} fds.* but {with_record} arrived"
+    if in_memfd:                      # the payload's offset in the last fd: one of the sealed memfds
+        if len(payload) != 8:
+            return mp.ProtocolError, "memfd carries"
+        offset, = struct.unpack("<Q", payload)
+        if offset + length > MEMFD_SIZE:
+            return mp.ProtocolError, "memfd sealed against shrinking that holds them"
+        payload = memfd_pattern(MEMFD_SIZE)[offset:offset + length]
+    elif len(payload) != length:
+        return mp.ProtocolError, f"carries {len(payload)} payload bytes, its header announces {length}"
+    if on_socket:                     # ... and no memfd is a socket
+        return mp.ProtocolError, "should wait on a socket"
+    kind = flags & KIND
+    if kind == 1:                     # an array frame (encode_array): a pickle is never a valid one
         return OSError, r"array (frame|header)|does not fit|segment"
-    if flags == 2:                    # a tensor frame (encode_tensor): neither is it one
+    if kind == 2:                     # a tensor frame (encode_tensor): neither is it one
         return OSError, r"tensor (frame|header)|does not fit|segment|needs torch"
-    if flags:
+    if kind:
         return mp.ProtocolError, "unknown flags"
-    if not body:
+    if not payload:
         return mp.ProtocolError, "ends before its pickle does"
     try:
-        return "ok", pickle.loads(body)
+        return "ok", pickle.loads(payload)
     except EOFError:
         return mp.ProtocolError, "ends before its pickle does"
     except pickle.UnpicklingError:
@@ -231,19 +222,13 @@ def frame_oracle(payload, with_header, nfds, batches, length, magic, version, fl
 @SETTINGS
 @given(frames())
 def test_frame_decoder(frame):
-    obj, payload, with_header, nfds, batches, length, magic, version, flags, cut = frame
+    obj, payload, with_record, nfds, length, magic, version, flags, cut = frame
     header = HEADER.pack(magic, version, flags, nfds, length)
-    fd = sealed_memfd(4096)
+    fd = sealed_memfd(MEMFD_SIZE)
     try:
-        if cut is not None:
-            chunks = [(header[:cut], [fd] * with_header)]
-        else:
-            chunks = [(header, [fd] * with_header)]
-            chunks += [(m, [fd] * count) for m, count in batches]
-            if payload:
-                chunks.append((payload, []))
-        outcome, before = exchange(chunks)
-        kind, expected = frame_oracle(payload, with_header, nfds, batches, length, magic, version, flags, cut)
+        record = header[:cut] if cut is not None else header + payload
+        outcome, before = exchange([(record, [fd] * with_record)])
+        kind, expected = frame_oracle(payload, with_record, nfds, length, magic, version, flags, cut)
         event(kind if kind == "ok" else f"{kind.__name__}: {expected}")
         if kind == "ok":
             expect(outcome, "ok", value=expected)

@@ -8,6 +8,7 @@ timeout.
 import os
 import pickle
 import queue
+import signal
 import threading
 import time
 
@@ -565,3 +566,55 @@ def test_a_queue_cannot_be_put_on_a_queue(kind):
     assert get(q, kind) == "fine"
     close_queue(q)
     close_queue(other)
+
+
+# -- a process killed in the middle of get() or put() ---------------------------------------------
+# A message is one record of the socket, read and written whole by one system call, so no lock
+# is held across it: multiprocessing's queues keep their lock when its holder is killed there,
+# and every other consumer (or producer) of the queue then waits forever.
+
+def _sigkill(p):
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(TIMEOUT)
+    assert p.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue"])
+def test_consumer_killed_in_get_does_not_block_the_others(kind):
+    ctx = mp.get_context("fork")
+    q, started = getattr(ctx, kind)(), ctx.Event()
+    p = start(ctx, cw.get_forever, q, started)
+    try:
+        assert started.wait(TIMEOUT)
+        time.sleep(0.2)                          # let it block in get()
+        _sigkill(p)
+        q.put(("after", 1))
+        got = queue.Queue()
+        t = threading.Thread(target=lambda: got.put(q.get()), daemon=True)
+        t.start()
+        assert got.get(timeout=TIMEOUT) == ("after", 1)
+    finally:
+        join_or_kill(p, 5)
+
+
+@pytest.mark.parametrize("kind", ["Queue", "SimpleQueue"])
+def test_producer_killed_in_a_blocked_put_does_not_block_the_others(kind):
+    ctx = mp.get_context("fork")
+    q, started = getattr(ctx, kind)(), ctx.Event()
+    p = start(ctx, cw.put_until_blocked, q, started)
+    try:
+        assert started.wait(TIMEOUT)
+        time.sleep(0.5)                          # the socket fills up; its put() blocks
+        _sigkill(p)
+        done = threading.Event()
+
+        def drain_then_put():
+            while not q.empty():
+                assert q.get() == b"x" * 200_000   # whole messages only, however it was killed
+            q.put("after")
+            done.set()
+        threading.Thread(target=drain_then_put, daemon=True).start()
+        assert done.wait(TIMEOUT), "put() blocked: the killed producer kept the queue's lock"
+        assert q.get() == "after"
+    finally:
+        join_or_kill(p, 5)

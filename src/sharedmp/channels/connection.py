@@ -4,9 +4,9 @@ The path of one array (compare multiprocessing.connection, changed: frames carry
 
     send(obj) -- dumps: ForkingPickler with an OutOfBand current; the segment reducers put
                  each segment's fd into it once and pickle its index
-              -- fdpass.send_frame: header + fds (SCM_RIGHTS) + payload, one sendmsg when small
-                 (the kernel now holds the fds: the sender may exit)
-    recv()    -- fdpass.recv_frame: header + fds + payload
+              -- fdpass.send_frame: header + payload + fds (SCM_RIGHTS), one record of the
+                 socket sent by one sendmsg (the kernel now holds the fds: the sender may exit)
+    recv()    -- fdpass.recv_frame: that record, by one recvmsg
               -- loads: unpickle with OutOfBand(fds) current; each segment is mapped once per
                  process (cached by inode), then every received fd is closed
               -- the array is a view of that mapping; the mapping lives as long as a view does
@@ -54,6 +54,7 @@ def reducers_changed():
     _Pickler._source = None
 
 
+# The kinds of payload (the frame's flags under fdpass.KIND; 0 is a pickle):
 FLAG_ARRAY = 1     # the payload is ``encode_array``'s header, not a pickle
 FLAG_TENSOR = 2    # the payload is ``encode_tensor``'s header (reductions/torch.py)
 
@@ -251,7 +252,12 @@ class Connection:
             self._poller = select.poll()
             self._poller.register(sock, select.POLLIN)
         ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        return bool(self._poller.poll(ms))
+        try:
+            return bool(self._poller.poll(ms))
+        except RuntimeError:      # "concurrent poll() invocation": another thread waits with it
+            own = select.poll()
+            own.register(sock, select.POLLIN)
+            return bool(own.poll(ms))
 
 
 def Pipe(duplex=True):

@@ -9,13 +9,16 @@ reducers fall back to multiprocessing's ``DupFd``.
 """
 import array
 import errno
+import fcntl
 import os
 import socket
+import stat
 import struct
 import threading
 import time
 
 from ..errors import ProtocolError
+from ..memory import arena, segment
 
 _local = threading.local()
 
@@ -70,34 +73,41 @@ def swap(oob):
 
 
 # ---------------------------------------------------------------------------------------
-# Frames on an AF_UNIX SOCK_SEQPACKET socket. Records keep their boundaries, so a receiver
-# reads a small frame -- header, fds and payload -- in one recvmsg, and never reads into
-# the next frame (which may be another consumer's: a queue has many).
+# Frames on an AF_UNIX SOCK_SEQPACKET socket. One frame is one record, sent by one sendmsg
+# and read by one recvmsg, whole or not at all: a sender killed at any instant leaves the
+# channel intact, concurrent senders and receivers need no lock, and a receiver never
+# reads into a frame that is another's.
 #
-#   first record   header <2sBBIQ: magic b"SM", version, flags, fd count, payload length
-#                  (16 bytes), with the first <= 253 fds (SCM_MAX_FD) in SCM_RIGHTS; then the
-#                  payload's first bytes, when the fds fit in this record
-#   fd records     b"+" with each further batch of <= 253 fds (a message may reference more)
-#   payload        the rest of the pickled bytes, in records of at most RECORD bytes
+#   record  header <2sBBIQ: magic b"SM", version, flags, fd count, payload length (16
+#           bytes); then the payload when it fits in RECORD bytes; with the fds (SCM_RIGHTS)
+#   flags   low 6 bits (KIND): what the payload is (0 a pickle; connection.py names others)
+#           PAYLOAD_IN_MEMFD: the payload lies in a memfd sealed against shrinking, the
+#             record's last fd, at the offset (<Q) that follows the header (a larger
+#             payload, which no record holds)
+#           FDS_ON_SOCKET: the message's fds wait on a socket, the record's first fd, in
+#             records b"+" of up to 253 (SCM_MAX_FD: more than one sendmsg carries)
 #
-# A receiver checks the magic, that the fds that arrived are the fds announced (and that
-# the kernel truncated none: MSG_CTRUNC), that the length is sane, that no record runs
-# past the frame and that the peer does not close mid-frame; each failure is a
-# ProtocolError, and the fds that did arrive are closed. A claimed length is never
-# allocated up front beyond what has arrived.
+# A receiver checks the magic, the bounds, that the fds that arrived are the fds announced
+# (and that the kernel truncated none: MSG_CTRUNC), that the payload is as long as
+# announced; each failure is a ProtocolError, and the fds that did arrive are closed. A
+# claimed length is never allocated beyond what the peer has written.
 # ---------------------------------------------------------------------------------------
 
 SOCK_TYPE = socket.SOCK_SEQPACKET
 HEADER = struct.Struct("<2sBBIQ")
+_OFFSET = struct.Struct("<Q")
 MAGIC = b"SM"
-VERSION = 1
+VERSION = 2
+KIND = 0x3F
+PAYLOAD_IN_MEMFD = 0x40
+FDS_ON_SOCKET = 0x80
 RECORD = 1 << 16                      # the largest record sent (the socket buffer takes more)
 MAX_FDS_PER_MSG = 253                 # SCM_MAX_FD in the Linux kernel
 MAX_FDS = 1 << 16                     # a sane bound on the fds of one message
 MAX_PAYLOAD = 1 << 40                 # a sane bound on one message's bytes (1 TiB)
-_EAGER = 16 << 20                     # payloads up to this size are allocated at once
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * 4)
 _CLOEXEC = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)      # plain ints: enum flag arithmetic is slow
 _MSG_TRUNC = int(socket.MSG_TRUNC)
 _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
@@ -130,25 +140,45 @@ def _sendmsg(sock, buffers, fds):
 
 
 def send_frame(sock, payload, fds=(), flags=0):
-    """Send one frame: a record of the header, the fds and (most often) the whole payload,
-    then the records of what did not fit (blocking). A record is sent whole or not at all."""
+    """Send one frame as one record (blocking while the socket is full)."""
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
-    header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
-    if len(fds) <= MAX_FDS_PER_MSG:
-        if len(payload) <= RECORD - HEADER.size:          # the usual case: one record
-            _sendmsg(sock, [header, payload], fds)
-            return
-        done = RECORD - HEADER.size
-        _sendmsg(sock, [header, payload[:done]], fds)
-    else:
-        done = 0
-        _sendmsg(sock, [header], fds[:MAX_FDS_PER_MSG])
-        for i in range(MAX_FDS_PER_MSG, len(fds), MAX_FDS_PER_MSG):
-            _sendmsg(sock, [b"+"], fds[i:i + MAX_FDS_PER_MSG])
-    view = memoryview(payload)
-    for i in range(done, len(payload), RECORD):
-        sock.sendmsg([view[i:i + RECORD]])
+    nfds, length = len(fds), len(payload)
+    extra, side = [], None
+    if length > RECORD - HEADER.size:
+        # Carved from this process's arenas (or a segment of its own when large): warm memory
+        # once recycled, where a memfd per message would cost a page fault per 4 KiB.
+        mapping, offset = arena.allocate(length, "file_descriptor", zero=False)
+        mapping[offset:offset + length] = payload          # (``mapping`` lives until sent)
+        extra.append(segment.segment_of(mapping).fd)
+        payload, flags = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD
+    try:
+        if nfds + len(extra) > MAX_FDS_PER_MSG:
+            side = _fds_socket(fds)
+            fds, flags = (), flags | FDS_ON_SOCKET
+        header = HEADER.pack(MAGIC, VERSION, flags, nfds, length)
+        _sendmsg(sock, [header, payload], [side, *extra] if side is not None else
+                 [*fds, *extra] if extra else fds)
+    finally:
+        if side is not None:
+            os.close(side)
+
+
+def _fds_socket(fds):
+    """A socket from which the receiver takes ``fds`` (all queued on it already)."""
+    r, w = socket.socketpair(socket.AF_UNIX, SOCK_TYPE)
+    try:
+        w.setblocking(False)             # all of them fit in its buffer, or the message is refused
+        for i in range(0, len(fds), MAX_FDS_PER_MSG):
+            try:
+                _sendmsg(w, [b"+"], fds[i:i + MAX_FDS_PER_MSG])
+            except BlockingIOError:
+                raise OSError(f"a message referencing {len(fds)} segments is too many to send: "
+                              "send fewer arrays at a time, or arrays that share segments") from None
+        return r.detach()
+    finally:
+        w.close()
+        r.close()
 
 
 def close_all(fds):
@@ -159,75 +189,112 @@ def close_all(fds):
             pass
 
 
-def _record(sock, fds, what=None):
-    """The next record, its fds appended to ``fds``; raises if the kernel dropped some fds or
-    cut the record (one longer than any sharedmp sends), or if the peer closed in the middle
-    of ``what`` (without ``what``, a closed peer gives b"")."""
-    data, ancdata, msg_flags, _ = sock.recvmsg(RECORD, _CMSG_SPACE, _CLOEXEC)
+def _take_fds(ancdata, msg_flags, fds):
+    """Append the fds of a recvmsg result to ``fds``; raise if the kernel dropped some."""
     for level, kind, cdata in ancdata:
         if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
             fds.extend(_FDS[len(cdata) // 4].unpack_from(cdata))
-    if msg_flags & (_MSG_CTRUNC | _MSG_TRUNC):
-        if msg_flags & _MSG_CTRUNC:
-            raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
-                                "receiver's fd limit is too low (raise it with `ulimit -n`)")
-        raise ProtocolError(f"a record longer than {RECORD} bytes ({what or 'header'}): the peer is not a "
-                            "sharedmp channel of this version")
-    if not data and what is not None:
-        raise ProtocolError(f"peer closed the connection in the middle of a frame ({what})")
-    return data
+    if msg_flags & _MSG_CTRUNC:
+        raise ProtocolError("file descriptors were dropped in transit (MSG_CTRUNC): the "
+                            "receiver's fd limit is too low (raise it with `ulimit -n`)")
 
 
-def _recv_payload(sock, payload, got, length):
-    """Fill ``payload`` (a bytearray of ``got`` bytes so far) with records up to ``length``
-    bytes, growing it as data arrives: a lying length costs nothing."""
-    while got < length:
-        want = min(RECORD, length - got)
-        if len(payload) - got < want:
-            payload.extend(bytes(min(length, max(_EAGER, 2 * len(payload))) - len(payload)))
-        with memoryview(payload) as view:
-            # A record is taken whole: MSG_TRUNC makes recv_into tell its true length.
-            k = sock.recv_into(view[got:got + want], want, _MSG_TRUNC)
-        if k == 0:
-            raise ProtocolError("peer closed the connection in the middle of a frame (payload)")
-        if k > want:
-            raise ProtocolError(f"a record of {k} bytes runs past the end of its frame ({length - got} "
-                                "bytes were due): the peer is not a sharedmp channel, or the stream is corrupt")
-        got += k
-    return payload
-
-
-def recv_frame(sock):
-    """Receive one frame: (payload bytes or bytearray, fds, flags). EOFError on a clean end of stream."""
+def recv_frame(sock, block=True):
+    """Receive one frame: (payload, fds, kind). EOFError on a clean end of stream;
+    BlockingIOError if ``block`` is false and no frame is there."""
     fds = []
     try:
-        data = _record(sock, fds)
+        data, ancdata, msg_flags, _ = sock.recvmsg(RECORD, _CMSG_SPACE, _CLOEXEC if block else
+                                                   _CLOEXEC | _DONTWAIT)
+        _take_fds(ancdata, msg_flags, fds)
         if not data:
             raise EOFError("the other end of the channel was closed")
-        while len(data) < HEADER.size:          # a header in pieces: not from sharedmp, but fine
-            data += _record(sock, fds, "header")
+        if msg_flags & _MSG_TRUNC:
+            raise ProtocolError(f"a record longer than {RECORD} bytes: the peer is not a sharedmp "
+                                "channel of this version")
+        if len(data) < HEADER.size:
+            raise ProtocolError(f"a record of {len(data)} bytes, shorter than a frame header: the peer is "
+                                "not a sharedmp channel of this version")
         magic, version, flags, nfds, length = HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION:
             raise ProtocolError(f"not a sharedmp frame (header {bytes(data[:HEADER.size])!r}): the peer "
                                 "is not a sharedmp channel of this version, or the stream is corrupt")
         if nfds > MAX_FDS or length > MAX_PAYLOAD:
             raise ProtocolError(f"frame announces {nfds} fds and {length} bytes: over the sane bounds")
-        if len(fds) != min(nfds, MAX_FDS_PER_MSG):
-            raise ProtocolError(f"frame announces {nfds} fds but {len(fds)} arrived with its header")
-        while len(fds) < nfds:
-            before = len(fds)
-            if _record(sock, fds, "fds") != b"+" or len(fds) == before or len(fds) > nfds:
-                raise ProtocolError(f"frame announces {nfds} fds but the fd batches that follow "
-                                    "do not match")
+        in_memfd, on_socket = flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET
+        expected = (1 if on_socket else nfds) + (1 if in_memfd else 0)
+        if len(fds) != expected:
+            raise ProtocolError(f"frame announces {nfds} fds{' on a socket' if on_socket else ''}"
+                                f"{' and its payload in a memfd' if in_memfd else ''} but {len(fds)} "
+                                "arrived with it")
         got = len(data) - HEADER.size
-        if got == length:                                   # the usual case: all in one record
-            return data[HEADER.size:], fds, flags
-        if got > length:
-            raise ProtocolError(f"a frame's first record carries {got} payload bytes, its header "
-                                f"announces {length}: the stream is corrupt")
-        payload = bytearray(min(length, _EAGER))
-        payload[:got] = memoryview(data)[HEADER.size:]
-        return _recv_payload(sock, payload, got, length), fds, flags
+        if in_memfd:
+            if got != _OFFSET.size:
+                raise ProtocolError(f"a frame with its payload in a memfd carries {got} bytes instead of "
+                                    "the payload's offset there")
+            payload = _payload_of(fds.pop(), _OFFSET.unpack_from(data, HEADER.size)[0], length)
+        elif got != length:
+            raise ProtocolError(f"a frame's record carries {got} payload bytes, its header announces "
+                                f"{length}: the peer is not a sharedmp channel, or the stream is corrupt")
+        else:
+            payload = data[HEADER.size:]
+        if on_socket:
+            fds = _fds_of_socket(fds.pop(), nfds)
+        return payload, fds, flags & KIND
+    except BaseException:
+        close_all(fds)
+        raise
+
+
+def _payload_of(fd, offset, length):
+    """The ``length`` bytes at ``offset`` of the memfd ``fd`` (closed here). Read, not mapped:
+    a peer that shrinks it cannot make this process fault (SIGBUS)."""
+    try:
+        st = os.fstat(fd)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        # st_blocks: a sparse file would make a reader allocate what the peer never wrote.
+        if not stat.S_ISREG(st.st_mode) or st.st_size < offset + length or st.st_blocks * 512 < length \
+                or not seals & fcntl.F_SEAL_SHRINK:
+            raise ProtocolError(f"a frame's payload of {length} bytes should be in a memfd sealed against "
+                                "shrinking that holds them, and is not: the peer is not a sharedmp channel "
+                                "of this version")
+        payload = bytearray(length)
+        with memoryview(payload) as view:
+            done = 0
+            while done < length:
+                k = os.preadv(fd, [view[done:]], offset + done)
+                if k == 0:
+                    raise ProtocolError(f"a frame's payload memfd ends at {done} of {length} bytes")
+                done += k
+        return payload
+    finally:
+        os.close(fd)
+
+
+def _fds_of_socket(fd, nfds):
+    """The ``nfds`` fds waiting on the socket ``fd`` (closed here): all must be there already."""
+    try:
+        side = socket.socket(fileno=fd)
+    except OSError:
+        os.close(fd)
+        raise ProtocolError(f"a frame's {nfds} fds should wait on a socket, and its fd is not one") from None
+    fds = []
+    try:
+        with side:
+            while len(fds) < nfds:
+                try:
+                    data, ancdata, msg_flags, _ = side.recvmsg(1, _CMSG_SPACE, _CLOEXEC | _DONTWAIT)
+                except OSError:
+                    data, ancdata, msg_flags = b"", [], 0
+                before = len(fds)
+                _take_fds(ancdata, msg_flags, fds)
+                if data != b"+" or len(fds) == before or len(fds) > nfds:
+                    raise ProtocolError(f"frame announces {nfds} fds on a socket, and the socket does "
+                                        f"not hold them (after {before})")
+        return fds
     except BaseException:
         close_all(fds)
         raise

@@ -2,6 +2,9 @@
 
 Adapted from CPython's multiprocessing/queues.py; changed:
 - the pipe is an AF_UNIX socketpair, so each message carries the fds of its arrays;
+- a message is one record of that socket, written and read whole by one system call, so
+  neither producers nor consumers take a lock: a process killed in the middle of put() or
+  get() leaves the queue working for the others (multiprocessing's would keep its lock);
 - ``put()`` pickles in the calling thread: an unpicklable object raises there and the
   queue stays usable, and the value sent is the value at the time of ``put()``;
 - in every process but the one that created the queue, ``put()`` returns only once the
@@ -101,15 +104,16 @@ class SimpleQueue:
 
     def __init__(self, *, ctx):
         self._reader, self._writer = Pipe(duplex=False)
+        # Not used here (a record is read whole), but multiprocessing.pool takes it while
+        # it drains the queue at shutdown.
         self._rlock = ctx.Lock()
-        self._wlock = ctx.Lock()
 
     def __getstate__(self):
         _mpcontext.assert_spawning(self)
-        return self._reader, self._writer, self._rlock, self._wlock
+        return self._reader, self._writer, self._rlock
 
     def __setstate__(self, state):
-        self._reader, self._writer, self._rlock, self._wlock = state
+        self._reader, self._writer, self._rlock = state
 
     def close(self):
         self._reader.close()
@@ -119,14 +123,11 @@ class SimpleQueue:
         return not self._reader.poll()
 
     def get(self):
-        with self._rlock:
-            frame = fdpass.recv_frame(self._reader._check(read=True))
-        return loads(*frame)
+        return loads(*fdpass.recv_frame(self._reader._check(read=True)))
 
     def put(self, obj):
         payload, fds, flags = dumps(obj)
-        with self._wlock:
-            fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
+        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
 
 
 class Queue:
@@ -137,8 +138,6 @@ class Queue:
             maxsize = SEM_VALUE_MAX
         self._maxsize = maxsize
         self._reader, self._writer = Pipe(duplex=False)
-        self._rlock = ctx.Lock()
-        self._wlock = ctx.Lock()
         self._sem = ctx.BoundedSemaphore(maxsize)
         self._creator = os.getpid()
         self._ignore_epipe = False
@@ -148,11 +147,11 @@ class Queue:
     def __getstate__(self):
         _mpcontext.assert_spawning(self)
         return (self._ignore_epipe, self._maxsize, self._reader, self._writer,
-                self._rlock, self._wlock, self._sem, self._creator)
+                self._sem, self._creator)
 
     def __setstate__(self, state):
         (self._ignore_epipe, self._maxsize, self._reader, self._writer,
-         self._rlock, self._wlock, self._sem, self._creator) = state
+         self._sem, self._creator) = state
         self._reset()
 
     def _after_fork(self):
@@ -191,8 +190,7 @@ class Queue:
 
     def _send(self, payload, fds, flags):
         if _pid != self._creator:
-            with self._wlock:
-                fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
+            fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
             return
         held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
@@ -210,19 +208,17 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         sock = self._reader._check(read=True)
         if block and timeout is None:
-            with self._rlock:
-                frame = fdpass.recv_frame(sock)
+            frame = fdpass.recv_frame(sock)
         else:
             deadline = time.monotonic() + (timeout or 0.0)
-            if not self._rlock.acquire(block, timeout):
-                raise Empty
-            try:
-                wait = max(0.0, deadline - time.monotonic()) if block else 0.0
-                if not self._reader.poll(wait):
-                    raise Empty
-                frame = fdpass.recv_frame(sock)
-            finally:
-                self._rlock.release()
+            while True:
+                try:
+                    frame = fdpass.recv_frame(sock, block=False)
+                    break
+                except BlockingIOError:   # nothing there, or another consumer took it first
+                    wait = deadline - time.monotonic() if block else 0.0
+                    if wait <= 0.0 or not self._reader.poll(wait):
+                        raise Empty from None
         self._sem.release()
         return loads(*frame)
 
@@ -266,7 +262,7 @@ class Queue:
     def _start_thread(self):
         self._thread = threading.Thread(
             target=Queue._feed, name="QueueFeederThread", daemon=True,
-            args=(self._buffer, self._notempty, self._reader, self._writer, self._wlock,
+            args=(self._buffer, self._notempty, self._reader, self._writer,
                   self._ignore_epipe, self._sem, self._held))
         self._thread.start()
         if not self._joincancelled:
@@ -288,7 +284,7 @@ class Queue:
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer, notempty, reader, writer, wlock, ignore_epipe, sem, held):
+    def _feed(buffer, notempty, reader, writer, ignore_epipe, sem, held):
         while True:
             with notempty:
                 while not buffer:
@@ -302,9 +298,7 @@ class Queue:
                 return
             payload, taken, flags = item
             try:
-                with wlock:
-                    fdpass.send_frame(writer._check(write=True), payload,
-                                      [entry[0] for entry in taken], flags)
+                fdpass.send_frame(writer._check(write=True), payload, [entry[0] for entry in taken], flags)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return
