@@ -573,48 +573,60 @@ def test_a_queue_cannot_be_put_on_a_queue(kind):
 # is held across it: multiprocessing's queues keep their lock when its holder is killed there,
 # and every other consumer (or producer) of the queue then waits forever.
 
-def _sigkill(p):
-    os.kill(p.pid, signal.SIGKILL)
-    p.join(TIMEOUT)
-    assert p.exitcode == -signal.SIGKILL
+def _killed_in(kind, target, settle):
+    """A fresh ``kind`` queue and a fork child running ``target(q, started)`` on it, SIGKILLed
+    once it has had ``settle`` seconds to block there; returns the queue."""
+    ctx = mp.get_context("fork")
+    q, started = getattr(ctx, kind)(), ctx.Event()
+    p = start(ctx, target, q, started)
+    try:
+        assert started.wait(TIMEOUT)
+        time.sleep(settle)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(TIMEOUT)
+        assert p.exitcode == -signal.SIGKILL
+    finally:
+        join_or_kill(p, 5)
+    return q
+
+
+def _in_a_thread(fn):
+    """fn()'s result, or what it raised, from a thread: a hang there fails the test, not the suite."""
+    out = queue.Queue()
+    threading.Thread(target=lambda: out.put(_outcome(fn)), daemon=True).start()
+    try:
+        status, value = out.get(timeout=TIMEOUT)
+    except queue.Empty:
+        pytest.fail("blocked: the killed process kept the queue's lock", pytrace=False)
+    if status == "raised":
+        raise value
+    return value
+
+
+def _outcome(fn):
+    try:
+        return "ok", fn()
+    except BaseException as e:          # noqa: BLE001 -- re-raised in the test's thread
+        return "raised", e
 
 
 @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue", "JoinableQueue"])
 def test_consumer_killed_in_get_does_not_block_the_others(kind):
-    ctx = mp.get_context("fork")
-    q, started = getattr(ctx, kind)(), ctx.Event()
-    p = start(ctx, cw.get_forever, q, started)
-    try:
-        assert started.wait(TIMEOUT)
-        time.sleep(0.2)                          # let it block in get()
-        _sigkill(p)
-        q.put(("after", 1))
-        got = queue.Queue()
-        t = threading.Thread(target=lambda: got.put(q.get()), daemon=True)
-        t.start()
-        assert got.get(timeout=TIMEOUT) == ("after", 1)
-    finally:
-        join_or_kill(p, 5)
+    q = _killed_in(kind, cw.get_forever, 0.2)
+    q.put(("after", 1))
+    assert _in_a_thread(q.get) == ("after", 1)
 
 
 @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue"])
 def test_producer_killed_in_a_blocked_put_does_not_block_the_others(kind):
-    ctx = mp.get_context("fork")
-    q, started = getattr(ctx, kind)(), ctx.Event()
-    p = start(ctx, cw.put_until_blocked, q, started)
-    try:
-        assert started.wait(TIMEOUT)
-        time.sleep(0.5)                          # the socket fills up; its put() blocks
-        _sigkill(p)
-        done = threading.Event()
+    q = _killed_in(kind, cw.put_until_blocked, 0.5)       # the socket fills up; its put() blocks
 
-        def drain_then_put():
-            while not q.empty():
-                assert q.get() == b"x" * 200_000   # whole messages only, however it was killed
-            q.put("after")
-            done.set()
-        threading.Thread(target=drain_then_put, daemon=True).start()
-        assert done.wait(TIMEOUT), "put() blocked: the killed producer kept the queue's lock"
-        assert q.get() == "after"
-    finally:
-        join_or_kill(p, 5)
+    def drain_then_put():
+        got = []
+        while not q.empty():
+            got.append(q.get())
+        q.put("after")
+        return got
+    got = _in_a_thread(drain_then_put)
+    assert got and all(x == b"x" * 200_000 for x in got)  # whole messages only, however it was killed
+    assert q.get() == "after"
