@@ -144,24 +144,23 @@ def send_frame(sock, payload, fds=(), flags=0):
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     nfds, length = len(fds), len(payload)
-    extra, side = [], None
     if length > RECORD - HEADER.size:
         # Carved from this process's arenas (or a segment of its own when large): warm memory
         # once recycled, where a memfd per message would cost a page fault per 4 KiB.
         mapping, offset = arena.allocate(length, "file_descriptor", zero=False)
         mapping[offset:offset + length] = payload          # (``mapping`` lives until sent)
-        extra.append(segment.segment_of(mapping).fd)
+        fds = [*fds, segment.segment_of(mapping).fd]       # the payload's fd comes last
         payload, flags = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD
+    header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if len(fds) > MAX_FDS_PER_MSG else 0),
+                         nfds, length)
+    if len(fds) <= MAX_FDS_PER_MSG:
+        _sendmsg(sock, [header, payload], fds)
+        return
+    side = _fds_socket(fds[:nfds])    # the message's fds; the payload's, if any, stays in the record
     try:
-        if nfds + len(extra) > MAX_FDS_PER_MSG:
-            side = _fds_socket(fds)
-            fds, flags = (), flags | FDS_ON_SOCKET
-        header = HEADER.pack(MAGIC, VERSION, flags, nfds, length)
-        _sendmsg(sock, [header, payload], [side, *extra] if side is not None else
-                 [*fds, *extra] if extra else fds)
+        _sendmsg(sock, [header, payload], [side, *fds[nfds:]])
     finally:
-        if side is not None:
-            os.close(side)
+        os.close(side)
 
 
 def _fds_socket(fds):
