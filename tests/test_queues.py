@@ -265,12 +265,25 @@ def test_one_process_puts_5000_then_gets_them_all(kind):
     n = 5000
     for i in range(n):
         q.put((i, "x" * 100))                            # ~600 KB: beyond what one socket buffers
+    assert q._thread is not None                         # the socket filled: the rest went by the feeder
     got = [q.get(timeout=TIMEOUT) for _ in range(n)]
     assert [i for i, _ in got] == list(range(n))
     if kind == "JoinableQueue":
         for _ in range(n):
             q.task_done()
         q.join()
+    close_queue(q)
+
+
+def test_creator_puts_go_straight_into_a_socket_with_room():
+    """No feeder thread while the socket takes each record at once (no thread hand-off)."""
+    q = make("Queue")
+    arrays = [mp.full(3, i) for i in range(20)]
+    for a in arrays:
+        q.put(a)
+    assert q._thread is None
+    for i in range(20):
+        assert (q.get(timeout=TIMEOUT) == i).all()
     close_queue(q)
 
 

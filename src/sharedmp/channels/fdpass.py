@@ -163,6 +163,22 @@ def send_frame(sock, payload, fds=(), flags=0):
         os.close(side)
 
 
+def try_send_frame(sock, payload, fds=(), flags=0):
+    """Send one frame now if it is one plain record and the socket takes it at once; False
+    (nothing sent) if it would wait or fail: then ``send_frame`` it, which waits or raises."""
+    if len(payload) > RECORD - HEADER.size or len(fds) > MAX_FDS_PER_MSG:
+        return False
+    header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
+    try:
+        if fds:
+            sock.sendmsg([header, payload], _rights(fds), _DONTWAIT)
+        else:
+            sock.sendmsg([header, payload], [], _DONTWAIT)
+    except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
+        return False                  # queued whole or not at all, so nothing went out
+    return True
+
+
 def _fds_socket(fds):
     """A socket from which the receiver takes ``fds`` (all queued on it already)."""
     r, w = socket.socketpair(socket.AF_UNIX, SOCK_TYPE)
