@@ -266,13 +266,9 @@ def _payload_of(fd, offset, length):
     a peer that shrinks it cannot make this process fault (SIGBUS)."""
     try:
         st = os.fstat(fd)
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
         # st_blocks: a sparse file would make a reader allocate what the peer never wrote.
         if not stat.S_ISREG(st.st_mode) or st.st_size < offset + length or st.st_blocks * 512 < length \
-                or not seals & fcntl.F_SEAL_SHRINK:
+                or not segment.sealed(fd, fcntl.F_SEAL_SHRINK):
             raise ProtocolError(f"a frame's payload of {length} bytes should be in a memfd sealed against "
                                 "shrinking that holds them, and is not: the peer is not a sharedmp channel "
                                 "of this version")

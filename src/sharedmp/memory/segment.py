@@ -398,6 +398,15 @@ def _create_named(size):
     return seg, mm
 
 
+def sealed(fd, seals):
+    """Whether the file ``fd`` carries all of ``seals`` (F_SEAL_*): a memfd whose size a peer
+    cannot change under this process. False for anything that is not a memfd."""
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals == seals
+    except OSError:
+        return False
+
+
 def attach_fd(fd):
     """The mapping of the memfd ``fd`` (borrowed: the caller still closes it), mapped once per process."""
     try:
@@ -411,14 +420,9 @@ def attach_fd(fd):
         return mm
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular file)")
-    if HAVE_MEMFD:
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError:
-            seals = 0
-        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
-            raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
-                               "it under this process (SIGBUS), so it is refused")
+    if HAVE_MEMFD and not sealed(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+        raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
+                           "it under this process (SIGBUS), so it is refused")
     try:
         own = os.dup(fd)
     except OSError as e:
