@@ -475,18 +475,26 @@ def test_fork_while_other_threads_hold_every_sharedmp_lock():
 
 def test_forked_child_resets_queues_of_its_parent():
     q = mp.get_context("fork").Queue()
-    q.put(mp.zeros(10) + 1)                           # starts the feeder thread here
-    assert q._thread is not None
+    n = 0
+    while q._thread is None:                          # a full socket starts the feeder thread here
+        q.put(b"x" * 60_000)
+        n += 1
+    q.put(mp.zeros(10) + 1)                           # waits in the feeder's buffer
 
     def child():
         reset = q._thread is None and not q._held._held and q._notempty.acquire(timeout=5)
         q.put("from the child")                       # a non-creator sends directly
         return reset
 
+    got = []                                          # read meanwhile: the child's put needs room
+    reader = threading.Thread(target=lambda: got.extend(q.get(timeout=TIMEOUT) for _ in range(n + 2)))
+    reader.start()
     with q._notempty:                                 # as if the feeder were in the middle of it
         status = _fork_and_wait(child)
     assert status == 0
-    got = [q.get(timeout=TIMEOUT), q.get(timeout=TIMEOUT)]
+    reader.join(TIMEOUT)
+    assert len(got) == n + 2
+    assert sum(isinstance(x, bytes) for x in got) == n
     assert any(isinstance(x, np.ndarray) and (x == 1).all() for x in got)
     assert any(isinstance(x, str) and x == "from the child" for x in got)
     q.close()
