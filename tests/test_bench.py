@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sharedmp.cli import bench
+from sharedmp.cli import bench, bench_report
 
 TIMEOUT = 180
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -184,11 +184,11 @@ def test_torch_targets_from_figures():
     results["W7"].update(sharedmp_torch=ok(batches=600.0), torch_fd=ok(batches=100.0))
     report = {"results": results, "bounds": {}, "workloads": [
         w for w in bench.make_plan(0.01, 1) if w["id"] in results]}
-    got = {t["target"]: (t["value"], t["met"]) for t in bench.check_targets(report)}
+    got = {t["target"]: (t["value"], t["met"]) for t in bench_report.check_targets(report)}
     assert got["W1 torch >= 0.8x sharedmp NumPy"] == (0.7, False)
     assert got["W6 torch fds <= sharedmp NumPy fds"] == ([3, 2], False)
     assert got["W7 >= 5x torch's default DataLoader"] == (6.0, True)
     assert "W2 torch >= 0.8x sharedmp NumPy" not in got            # W2 not in the report
-    ratios = bench.compute_ratios(report)
+    ratios = bench_report.compute_ratios(report)
     assert ratios["W1:msgs"]["torch_vs_numpy"] == 0.7 and ratios["W7:batches"]["vs_torch_fd"] == 6.0
     assert "torch_vs_numpy" not in ratios["W6:fds"]
