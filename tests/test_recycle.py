@@ -171,3 +171,19 @@ def test_the_setting_turns_it_off_and_a_bad_value_is_named():
     assert _run(code).stdout.strip() == "True"
     r = _run(code, SHAREDMP_RECYCLE_BYTES="lots")
     assert r.returncode != 0 and "SHAREDMP_RECYCLE_BYTES" in r.stderr and "'lots'" in r.stderr
+
+
+def test_containing_finds_the_segment_recycled_at_the_same_address():
+    """containing() remembers the segment it found last; a recycled segment is a new Segment
+    over the same mapping (same address), which it must find, not the released one."""
+    a = mp.full(BIG, 1, np.uint8)
+    address = a.ctypes.data
+    first = segment.containing(address, BIG)[0]
+    assert first is mapping_of(a)[1]
+    del a
+    gc.collect()
+    assert segment.containing(address, BIG) == (None, None)   # released: nothing lives there
+    b = mp.full(BIG, 2, np.uint8)
+    assert b.ctypes.data == address                             # the same memory, recycled
+    again, mm = segment.containing(address, BIG)
+    assert again is mapping_of(b)[1] and again is not first and mm is not None

@@ -451,6 +451,19 @@ def test_a_tensor_alone_travels_in_a_tensor_frame(pipe):
     assert p.grad is None and pipe(p).grad is None
 
 
+def test_a_received_tensor_is_a_leaf_of_its_own_over_the_storage(pipe):
+    assert R._NEW_OVER_STORAGE            # this torch makes one with template.new(storage)
+    x = mp.share(torch.arange(6.0))
+    for t in (x, x[2:], x.view(2, 3), x.view(2, 3).t()):
+        got = pipe(t)
+        assert got._base is None and got.is_leaf and got.untyped_storage() is x.untyped_storage()
+        assert (got.shape, got.stride(), got.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
+    r, w = mp.Pipe()                      # and over memory this process did not have yet
+    w.send(mp.share(torch.ones(4, dtype=torch.float64)))
+    got = r.recv()
+    assert got.dtype == torch.float64 and got._base is None and torch.equal(got, torch.ones(4, dtype=torch.float64))
+
+
 def test_what_the_tensor_frame_does_not_carry_goes_through_pickle(pipe, monkeypatch):
     from sharedmp.channels import connection
     x = mp.share(torch.arange(4.0))

@@ -157,10 +157,19 @@ def segment_of(mm):
     return seg if seg is not None and seg.mapping() is mm else None
 
 
+_last_found = None                # the Segment containing() found last (a hint: checked each time)
+
+
 def containing(address, nbytes=1):
     """(Segment, mapping) of the live mapping of this process that holds the ``nbytes``
     bytes at ``address``, or (None, None). For memory known only by its address (a torch
     storage's data pointer); the offset within the segment is ``address - seg.address``."""
+    global _last_found
+    seg = _last_found             # most calls ask about the segment of the call before (an arena)
+    if seg is not None and seg.address <= address and address + nbytes <= seg.address + seg.size:
+        mm = seg.mapping()        # (dead once released: its range may be a new segment's now)
+        if mm is not None:
+            return seg, mm
     with _lock:
         i = bisect.bisect_right(_addresses, address) - 1
         if i < 0:
@@ -169,7 +178,10 @@ def containing(address, nbytes=1):
     if address + nbytes > seg.address + seg.size:
         return None, None
     mm = seg.mapping()
-    return (seg, mm) if mm is not None else (None, None)
+    if mm is None:
+        return None, None
+    _last_found = seg
+    return seg, mm
 
 
 def live_segments():
