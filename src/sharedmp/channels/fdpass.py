@@ -118,22 +118,24 @@ def _rights(fds):
     return [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))]
 
 
-def _sendmsg(sock, buffers, fds):
-    """sendmsg with ``fds`` attached, waiting while the kernel refuses more fds in flight.
+def _sendmsg(sock, buffers, fds, block=True):
+    """sendmsg with ``fds`` attached, waiting while the kernel refuses more fds in flight;
+    with ``block`` false it waits for nothing (MSG_DONTWAIT) and raises instead.
 
     Linux counts the fds a user has in flight (sent, not yet received, on any socket) and
     refuses more than RLIMIT_NOFILE of them with ETOOMANYREFS unless the sender has
     CAP_SYS_RESOURCE. Receivers take them out of flight as they read, so this is
     back-pressure like a full socket buffer: wait and retry (nothing was sent).
     """
+    flags = 0 if block else _DONTWAIT
     if not fds:
-        return sock.sendmsg(buffers)
+        return sock.sendmsg(buffers, [], flags)
     delay = 0.0005
     while True:
         try:
-            return sock.sendmsg(buffers, _rights(fds))
+            return sock.sendmsg(buffers, _rights(fds), flags)
         except OSError as e:
-            if e.errno != errno.ETOOMANYREFS:
+            if e.errno != errno.ETOOMANYREFS or not block:
                 raise
         time.sleep(delay)
         delay = min(2 * delay, 0.02)
@@ -168,12 +170,8 @@ def try_send_frame(sock, payload, fds=(), flags=0):
     (nothing sent) if it would wait or fail: then ``send_frame`` it, which waits or raises."""
     if len(payload) > RECORD - HEADER.size or len(fds) > MAX_FDS_PER_MSG:
         return False
-    header = HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload))
     try:
-        if fds:
-            sock.sendmsg([header, payload], _rights(fds), _DONTWAIT)
-        else:
-            sock.sendmsg([header, payload], [], _DONTWAIT)
+        _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload)), payload], fds, block=False)
     except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
         return False                  # queued whole or not at all, so nothing went out
     return True
