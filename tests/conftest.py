@@ -18,15 +18,16 @@ import time
 import pytest
 
 import sharedmp as mp
-from sharedmp.memory import arena, recycle, segment
+from sharedmp.memory import arena, segment
 
 START_METHODS = ["fork", "spawn", "forkserver"]
 TIMEOUT = 60  # seconds for any join/get in a test
 
 
 def shm_files():
-    """sharedmp_* files in the shared-memory directory, except the current arenas'."""
-    keep = {segment.segment_of(a.mapping).name for a in arena._current.values()}
+    """sharedmp_* files in the shared-memory directory, except the allocator's arenas'."""
+    arenas = [a.ref() for a in [*arena._current.values(), *arena._idle.values()]]
+    keep = {seg.name for seg in map(segment.segment_of, arenas) if seg is not None}
     try:
         names = os.listdir(segment.shm_dir())
     except FileNotFoundError:
@@ -81,13 +82,13 @@ def no_leaks(request):
     stray = kill_children()
     if request.node.get_closest_marker("leaks_ok"):
         return
-    segment.forget_recent()     # the receiver's few recently attached arenas, kept on purpose
-    recycle.clear()             # segments this process made, kept for reuse on purpose
     gc.collect()
+    mp.empty_cache()            # what this process caches on purpose (memory/cache.py)
     deadline = time.monotonic() + 5
     while (left := shm_files() - shm_before) and time.monotonic() < deadline:
         time.sleep(0.05)
         gc.collect()
+        mp.empty_cache()
     fds = segment_fds() - fds_before
     problems = []
     if stray:

@@ -225,3 +225,37 @@ def test_find_leftovers_and_clean_in_process(tmp_path):
         mm.close()
     assert doctor_mod.clean(directory) == [busy]
     assert doctor_mod.find_leftovers(str(tmp_path / "missing")) == []
+
+
+_HOLDER = """
+import sys, time
+import numpy as np
+import sharedmp as mp
+kept = [mp.zeros(1 << 21), mp.zeros(100)]          # 16 MiB of its own, and an arena
+dropped = mp.zeros(1 << 20); del dropped            # 8 MiB, now in the recycle pool
+import sharedmp.memory.cache as c; c._publish()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@linux_only
+def test_doctor_shows_what_each_process_holds_and_how_much_is_cache():
+    env = {**os.environ, "SHAREDMP_CACHE_IDLE": "60", STRATEGY_ENV: "file_descriptor"}
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        rc, report = run_json()
+        [check] = checks_named(report, "processes")
+        [line] = [i for i in check["items"] if i.startswith(f"pid {p.pid}:")]
+        [entry] = [e for e in doctor_mod.survey_processes() if e["pid"] == p.pid]
+        assert entry["mapped"] >= (16 + 8 + 4) << 20 and entry["fds"] >= 3     # from /proc
+        assert entry["cache"] >= 8 << 20 and entry["cache_fds"] >= 1           # the pool's 8 MiB
+        assert entry["cache"] < entry["mapped"] - (16 << 20)                   # kept arrays: not cache
+        assert "MiB mapped" in line and "cache" in line
+    finally:
+        p.kill()
+        p.wait(TIMEOUT)
+        p.stdin.close()
+        p.stdout.close()

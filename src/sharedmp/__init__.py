@@ -12,6 +12,7 @@ from .arrays import empty, empty_like, full, is_shared, share, share_memory_, ze
 from .channels.context import JoinableQueue, Pipe, Pool, Queue, SimpleQueue, get_context
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessExitedException, ProcessRaisedException
+from .memory.cache import empty as empty_cache
 from .processes.spawn import ProcessContext, spawn, start_processes
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
@@ -20,9 +21,24 @@ __version__ = "0.1.0"
 __all__ = list(_multiprocessing.__all__) + [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
     "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
+    "empty_cache",
     "OutOfSharedMemory", "SegmentError", "ProtocolError", "ManagerError",
     "spawn", "start_processes", "ProcessContext",
     "ProcessRaisedException", "ProcessExitedException",
 ]
 
 _reductions.register()
+
+# torch.multiprocessing's helpers that its own tests use; forwarded (torch imported on use).
+_TORCH_HELPERS = ("_set_thread_name", "_get_thread_name")
+
+
+def __getattr__(name):
+    if name in _TORCH_HELPERS:
+        try:
+            import torch.multiprocessing
+        except ImportError:
+            raise AttributeError(f"sharedmp.{name} is torch.multiprocessing's: install torch "
+                                 "(pip install 'sharedmp[torch]')") from None
+        return getattr(torch.multiprocessing, name)
+    raise AttributeError(f"module 'sharedmp' has no attribute {name!r}")

@@ -27,6 +27,7 @@ from multiprocessing.reduction import DupFd, ForkingPickler
 import numpy as np
 
 from ..errors import ProtocolError
+from ..memory import manager
 from ..reductions.ndarray import decode_array, encode_array, reduce_ndarray
 from . import fdpass
 
@@ -74,9 +75,12 @@ def frame_kind(flag, decode, reducers, encode):
         _encoders[cls] = (reducer, encode, flag)
 
 
-def dumps(obj):
+def dumps(obj, tokens=None):
     """(payload, fds, flags) of ``obj``: its bytes (a pickle, or for an array or a tensor
-    alone a fixed header), the fds it references (borrowed) and the frame's flags."""
+    alone a fixed header), the fds it references (borrowed) and the frame's flags.
+
+    ``tokens``: the sending channel's (``manager.Tokens``); named segments in ``obj`` are
+    then in flight until this message can no longer be received (its token fd comes last)."""
     kind = _encoders.get(type(obj))
     if kind is not None and ForkingPickler._extra_reducers.get(type(obj)) is kind[0]:
         fds = fdpass.Fds()
@@ -91,6 +95,8 @@ def dumps(obj):
         _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     finally:
         fdpass.swap(prev)
+    if oob.names:
+        (tokens or manager.Tokens()).carry(oob.names, oob.fds)
     return buf.getbuffer(), oob.fds, 0
 
 
@@ -155,6 +161,7 @@ class Connection:
             raise ValueError("at least one of `readable` and `writable` must be True")
         self._sock = sock
         self._poller = None
+        self._tokens = manager.Tokens()     # of the named segments its messages carry
         self._readable = readable
         self._writable = writable
 
@@ -200,7 +207,7 @@ class Connection:
     def send(self, obj):
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
         sock = self._check(write=True)
-        payload, fds, flags = dumps(obj)
+        payload, fds, flags = dumps(obj, self._tokens)
         fdpass.send_frame(sock, payload, fds, flags)
 
     def recv(self):

@@ -33,13 +33,15 @@ class Fds(list):
 
 
 class OutOfBand:
-    """The fds of one message: collected while pickling, looked up while unpickling."""
+    """The fds of one message: collected while pickling, looked up while unpickling; and
+    the paths of the named segments it carries (``manager.Tokens`` keeps them in flight)."""
 
-    __slots__ = ("fds", "_index")
+    __slots__ = ("fds", "_index", "names")
 
     def __init__(self, fds=None):
         self.fds = Fds() if fds is None else fds
         self._index = {}
+        self.names = []
 
     def keep_alive(self, owner):
         """Keep ``owner`` (a mapping whose fd this message carries) alive as long as ``fds``:

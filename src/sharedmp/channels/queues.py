@@ -127,7 +127,7 @@ class SimpleQueue:
         return loads(*fdpass.recv_frame(self._reader._check(read=True)))
 
     def put(self, obj):
-        payload, fds, flags = dumps(obj)
+        payload, fds, flags = dumps(obj, self._writer._tokens)
         fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
 
 
@@ -179,7 +179,7 @@ class Queue:
         if not self._sem.acquire(block, timeout):
             raise Full
         try:
-            payload, fds, flags = dumps(obj)
+            payload, fds, flags = dumps(obj, self._writer._tokens)
         except BaseException:
             self._sem.release()
             raise
@@ -203,7 +203,9 @@ class Queue:
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
-            self._buffer.append((payload, held, flags))
+            # ``fds.keep`` too: the token of a file_system message, which the messages waiting
+            # here share (one fd for all of them), lives as long as one of them waits.
+            self._buffer.append((payload, held, flags, fds.keep))
             self._notempty.notify()
 
     def put_nowait(self, obj):
@@ -303,7 +305,7 @@ class Queue:
                 reader.close()
                 writer.close()
                 return
-            payload, taken, flags = item
+            payload, taken, flags, _ = item
             try:
                 fdpass.send_frame(writer._check(write=True), payload, [entry[0] for entry in taken], flags)
             except Exception as e:

@@ -480,6 +480,78 @@ def check_managers(do_clean):
     return Check("managers", OK, f"{live} live file_system manager daemon(s) of this user")
 
 
+def _segments_of(pid):
+    """(bytes mapped, fds) of sharedmp segments in process ``pid``, from /proc; None if unreadable."""
+    mapped = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if "/memfd:sharedmp (deleted)" not in line and PREFIX not in line:
+                    continue
+                parts = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                mapped[(parts[3], parts[4], lo)] = hi - lo
+        fds = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            fds += target == "/memfd:sharedmp (deleted)" or PREFIX in target
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(mapped.values()), fds
+
+
+def survey_processes():
+    """[{pid, command, mapped, fds, cache, cache_fds}] of this user's live processes that hold
+    sharedmp memory (this one excepted): mapped bytes and fds from /proc, the part of them
+    that is cache from what each process publishes (``memory/cache.py``)."""
+    from ..memory import cache
+    out = []
+    uid, me = os.getuid(), os.getpid()
+    try:
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    except OSError:
+        return out
+    for pid in pids:
+        if pid == me:
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        held = _segments_of(pid)
+        stats = cache.read_stats(pid)
+        if held is None or (held == (0, 0) and stats is None):
+            continue
+        parts = (stats or {}).get("cache", {}).values()
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = "?"
+        out.append({"pid": pid, "command": command[:80], "mapped": held[0], "fds": held[1],
+                    "cache": sum(p[0] for p in parts), "cache_fds": sum(p[1] for p in parts),
+                    "idle_s": (stats or {}).get("idle_s")})
+    return out
+
+
+def check_processes():
+    """What each live process of this user holds in sharedmp memory, and how much is cache."""
+    procs = survey_processes()
+    if not procs:
+        return Check("processes", OK, "no other process of this user holds sharedmp memory")
+    total = sum(p["mapped"] for p in procs)
+    cached = sum(p["cache"] for p in procs)
+    items = [f"pid {p['pid']}: {_fmt_size(p['mapped'])} mapped, {p['fds']} fds; cache "
+             f"{_fmt_size(p['cache'])}, {p['cache_fds']} fds  ({p['command']})" for p in procs]
+    return Check("processes", OK, f"{len(procs)} process(es) hold {_fmt_size(total)} of sharedmp memory, "
+                 f"{_fmt_size(cached)} of it cache (given back after {procs[0]['idle_s'] or 1:g} s idle, "
+                 "or at once by mp.empty_cache() in that process)", items=items)
+
+
 def check_round_trip(strategy, fatal):
     """Allocate, write, pickle with ForkingPickler, unpickle here, compare: one strategy."""
     import pickle
@@ -541,6 +613,8 @@ def run_checks(do_clean=False):
         removed = []
     if "file_system" in strategies:
         checks.append(check_managers(do_clean))
+    if os.path.isdir("/proc/self/fd"):
+        checks.append(check_processes())
     for s in sorted(strategies):
         fatal = s == current or len(strategies) == 1
         if s == "file_system" and not shm_ok:

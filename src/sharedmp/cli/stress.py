@@ -358,9 +358,10 @@ def leader(cfg, result):
 
 
 def segment_forget_and_collect():
-    from ..memory import segment
-    segment.forget_recent()
+    """Let go of what this process caches on purpose (recent mappings, the pool, idle arenas)."""
+    from ..memory import cache
     gc.collect()
+    cache.empty()
 
 
 # ------------------------------------------------------------------------------- the run

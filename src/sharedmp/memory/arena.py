@@ -10,11 +10,18 @@ it and there is no cheap cross-process free. The price: one live small array kee
 whole arena (at most ``ARENA_SIZE`` bytes) alive. A whole arena is reused (``recycle.py``)
 once no process holds it any more; what is carved from it is zero (unless the caller
 overwrites it), so ``zeros`` needs no fill.
+
+The current arena is a cache too: once nothing has been carved from it for
+``cache.idle()`` seconds the allocator keeps only a weak reference to it, so it goes with
+its last array (and is carved further if one still lives when the next array is made).
 """
 import os
+import sys
 import threading
+import time
+import weakref
 
-from . import segment
+from . import cache, segment
 
 ARENA_SIZE = 4 << 20
 SMALL_LIMIT = 1 << 20      # arrays below this go to an arena
@@ -22,19 +29,22 @@ ALIGN = 64
 
 
 class _Arena:
-    __slots__ = ("mapping", "used", "where", "dirty")
+    __slots__ = ("mapping", "ref", "used", "where", "dirty", "seen", "since")
 
     def __init__(self, kind, where):
         seg, self.mapping = segment.create(ARENA_SIZE, kind, zero=False)
+        self.ref = weakref.ref(self.mapping)
         self.used = 0
         self.where = where        # file_system: the directory it lives in
         # A recycled arena keeps its old bytes until the first region that must be zero is
         # carved: then the rest is zeroed at once. A producer whose regions are all copied
         # over (torch tensors moved into shared memory) never pays for zeroing.
         self.dirty = seg.dirty
+        self.seen, self.since = 0, time.monotonic()    # ``used`` as the cache last saw it, and when
 
 
 _current = {}              # strategy -> its current _Arena
+_idle = {}                 # strategy -> its last _Arena let go by the cache (mapping None)
 _lock = threading.Lock()
 
 
@@ -48,6 +58,8 @@ def allocate(nbytes, kind, zero=True):
     where = segment.shm_dir() if kind == "file_system" else None
     with _lock:
         arena = _current.get(kind)
+        if arena is None:
+            arena = _revive(kind)
         if arena is None or arena.used + nbytes > ARENA_SIZE or arena.where != where:
             # The old arena stays alive as long as arrays carved from it do. A new
             # $SHAREDMP_SHM_DIR takes effect for small arrays too, not only for big ones.
@@ -60,12 +72,56 @@ def allocate(nbytes, kind, zero=True):
         return arena.mapping, offset
 
 
+def _revive(kind):
+    """(lock held) The arena the cache let go, current again if some array still keeps it."""
+    arena = _idle.pop(kind, None)
+    if arena is None or (mapping := arena.ref()) is None:
+        return None
+    arena.mapping = mapping
+    _current[kind] = arena
+    seg = segment.segment_of(mapping)
+    if seg is not None:
+        seg.idle_since = None
+    return arena
+
+
+def _expire(cutoff):
+    """(cache) Let go of the current arenas nothing was carved from since ``cutoff`` (all if
+    None): whether one is left."""
+    now, gone = time.monotonic(), []
+    with _lock:
+        for kind, arena in list(_current.items()):
+            if cutoff is not None and arena.used != arena.seen:
+                arena.seen, arena.since = arena.used, now
+            elif cutoff is None or arena.since < cutoff:
+                seg = segment.segment_of(arena.mapping)
+                if seg is not None:
+                    seg.idle_since = arena.since        # if it goes to the pool now: unused since
+                gone.append(arena.mapping)
+                arena.mapping = None
+                del _current[kind]
+                _idle[kind] = arena
+        left = bool(_current)
+    del gone[:]                   # the last reference of an arena no array uses: released here
+    return left
+
+
+def _held():
+    """(bytes, fds) of the current arenas that no array uses (only the allocator holds them)."""
+    idle = [a.mapping for a in list(_current.values()) if sys.getrefcount(a.mapping) <= 2]  # (a, call)
+    return segment.held_by([s for s in map(segment.segment_of, idle) if s is not None])
+
+
+cache.register(0, "arenas", _expire, _held)
+
+
 def stray_segment_fds():
     """This process's fds on sharedmp segments (memfd or named), but for the current arenas'
-    (kept on purpose): what a leak check counts."""
+    (kept on purpose) and for the last ones the cache let go while arrays still use them:
+    what a leak check counts."""
     keep = set()
-    for a in list(_current.values()):
-        seg = segment.segment_of(a.mapping)
+    for a in list(_current.values()) + list(_idle.values()):
+        seg = segment.segment_of(a.ref())
         try:
             if seg is not None and seg.fd >= 0:
                 st = os.fstat(seg.fd)
@@ -83,7 +139,7 @@ def stray_segment_fds():
             st = os.stat(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if (target.startswith("/memfd:sharedmp") or segment.PREFIX in target) \
+        if (target == "/memfd:sharedmp (deleted)" or segment.PREFIX in target) \
                 and (st.st_dev, st.st_ino) not in keep:
             out.add(int(name))
     return out
@@ -100,6 +156,7 @@ def _after_fork_in_child():
     global _lock
     _lock = threading.Lock()
     _current.clear()
+    _idle.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

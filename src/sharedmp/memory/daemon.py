@@ -15,7 +15,13 @@ never waiting for an answer, one line each, ``<op> <path>``:
     R  received: this client holds it, and one in-flight reference is consumed
     D  dropped: this client no longer maps it
     F  forget: this client does not hold it after all (a name that was taken), never unlink
-    ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight>`` (diagnostics)
+    T  ``T <id> <path>\0<path>...``: one more reference in flight for each path, held by the
+       client's token ``id``; its first record passes the token, the read end of a pipe
+       (SCM_RIGHTS), whose write end travels in the messages. When every copy of the
+       write end is closed (the messages were received, or can no longer be), the pipe
+       ends and the references with it.
+    ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight> <tokens>``
+       (diagnostics; tokens: the open ones, and the ids clients may still use)
 
 A segment is unlinked when no client holds it and no reference is in flight. A client
 that disconnects (exit, SIGKILL) drops what it held. In-flight references belong to no
@@ -28,8 +34,10 @@ a segment whose count reaches zero is unlinked only if it is still zero after on
 pass that reads every client (anything written before the zero was read is read by then).
 
 How it fails:
-- A client SIGKILLed mid-message: the message never completes, its ``S`` stays in
-  flight until the daemon exits (every client gone). A message never received likewise.
+- A client SIGKILLed mid-message: on a sharedmp channel the kernel closes its copy of the
+  token; the message never left, so the token ends (or ends with the messages sent).
+  On other channels its ``S`` stays in flight until the daemon exits (every client
+  gone); a message never received likewise.
 - The daemon SIGKILLed: clients see the connection end and raise ``ManagerError`` on
   their next file_system allocation or attach; the segments stay until
   ``python -m sharedmp doctor --clean`` removes those no live process maps or holds open.
@@ -38,6 +46,8 @@ How it fails:
 - Every client gone: the daemon waits up to ``LINGER`` seconds for a new one if
   references are still in flight, then unlinks whatever is left and exits.
 """
+import array
+import collections
 import os
 import re
 import resource
@@ -51,7 +61,9 @@ NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
 LINGER = 1.5           # seconds to wait for a receiver of in-flight messages once all clients left
 STARTUP = 2.0          # seconds to wait for the first client
 PASS_DELAY = 0.002     # sleep between passes: clients' records batch up instead of waking us each
-MAX_LINE = 4096
+MAX_LINE = 1 << 20     # a T record names every segment of a message
+MAX_FDS = 253
+_CMSG = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
 class Segment:
@@ -67,7 +79,7 @@ class Segment:
 
 
 class Client:
-    __slots__ = ("sock", "pid", "buf", "holds", "hello")
+    __slots__ = ("sock", "pid", "buf", "holds", "hello", "fds", "tokens")
 
     def __init__(self, sock):
         self.sock = sock
@@ -75,7 +87,17 @@ class Client:
         self.buf = b""
         self.holds = set()
         self.hello = False
+        self.fds = collections.deque()   # fds passed, for the T records that follow them
+        self.tokens = {}                 # token id -> Token
 
+
+class Token:
+    __slots__ = ("fd", "paths", "client", "ident")
+
+    def __init__(self, fd, client, ident):
+        self.fd = fd
+        self.paths = []
+        self.client, self.ident = client, ident
 
 class Daemon:
     def __init__(self, listener, path):
@@ -87,6 +109,7 @@ class Daemon:
         self.clients = {}          # fd -> Client
         self.segments = {}         # path -> Segment
         self.candidates = set()    # paths found unused at the end of the previous pass
+        self.tokens = {}           # read end fd -> Token
         self.seen_client = False
         self.started = time.monotonic()
 
@@ -98,6 +121,9 @@ class Daemon:
         return seg
 
     def apply(self, client, op, path):
+        if op == b"T":
+            self._carry(client, path)
+            return
         if not (os.path.isabs(path) and NAME_RE.match(os.path.basename(path))):
             return                                   # not a sharedmp segment: never touch it
         if op in (b"C", b"H"):
@@ -123,6 +149,43 @@ class Daemon:
                 seg.holders.discard(client)
                 if op == b"F" and seg.unused():
                     self._forget(path)
+
+    def _carry(self, client, rest):
+        ident, _, paths = rest.partition(" ")
+        token = client.tokens.get(ident)
+        if token is None:
+            if not client.fds:
+                token = Token(-1, client, ident)   # its pipe did not arrive: in flight until exit
+            else:
+                token = Token(client.fds.popleft(), client, ident)
+                os.set_blocking(token.fd, False)
+                self.tokens[token.fd] = token
+                self.sel.register(token.fd, selectors.EVENT_READ, token)
+            client.tokens[ident] = token
+        for path in paths.split("\0"):
+            if os.path.isabs(path) and NAME_RE.match(os.path.basename(path)):
+                self.apply(client, b"S", path)
+                token.paths.append(path)
+
+    def end_token(self, token):
+        """The token's pipe is readable: at its end, its references in flight end."""
+        try:
+            if os.read(token.fd, 4096):
+                return                       # (no one writes into it: ignore, read on)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self.sel.unregister(token.fd)
+        del self.tokens[token.fd]
+        os.close(token.fd)
+        if token.client.tokens.get(token.ident) is token:
+            del token.client.tokens[token.ident]
+        for path in token.paths:
+            seg = self.segments.get(path)
+            if seg is not None:
+                seg.inflight -= 1
+        token.paths = []
 
     def _forget(self, path):
         seg = self.segments.pop(path)
@@ -168,16 +231,24 @@ class Daemon:
             if seg is not None:
                 seg.holders.discard(client)
         client.holds.clear()
+        client.tokens.clear()                # (its tokens live on in the messages)
+        while client.fds:
+            os.close(client.fds.popleft())
 
     def read(self, client):
         """Read and apply what the client has written; False once it has gone."""
         while True:
             try:
-                data = client.sock.recv(1 << 16)
+                data, ancdata, _, _ = client.sock.recvmsg(1 << 16, _CMSG, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
                 return False
+            for level, kind, cdata in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(cdata[:len(cdata) - len(cdata) % fds.itemsize])
+                    client.fds.extend(fds)
             if not data:
                 return False
             lines = (client.buf + data).split(b"\n")
@@ -193,9 +264,11 @@ class Daemon:
                 op, _, path = line.partition(b" ")
                 if op == b"?":
                     stats = (len(self.clients), len(self.segments),
-                             sum(max(s.inflight, 0) for s in self.segments.values()))
+                             sum(max(s.inflight, 0) for s in self.segments.values()),
+                             len({*self.tokens.values(),
+                                  *(t for c in self.clients.values() for t in c.tokens.values())}))
                     try:
-                        client.sock.sendall(b"STATS %d %d %d\n" % stats)
+                        client.sock.sendall(b"STATS %d %d %d %d\n" % stats)
                     except OSError:
                         return False
                     continue
@@ -217,6 +290,8 @@ class Daemon:
             for key, _ in self.sel.select(timeout):
                 if key.fileobj is self.listener:
                     self.accept()
+                elif type(key.data) is Token:
+                    self.end_token(key.data)
             self.one_pass()
             if not self.clients and not self._pending_connection():
                 if self.seen_client or time.monotonic() - self.started > STARTUP:
@@ -233,10 +308,15 @@ class Daemon:
         if any(s.inflight > 0 for s in self.segments.values()):
             deadline = time.monotonic() + LINGER
             while time.monotonic() < deadline:
-                if self.sel.select(deadline - time.monotonic()):
-                    self.accept()
-                    if self.clients:
-                        return True
+                for key, _ in self.sel.select(deadline - time.monotonic()):
+                    if type(key.data) is Token:
+                        self.end_token(key.data)
+                    elif key.fileobj is self.listener:
+                        self.accept()
+                if self.clients:
+                    return True
+                if not any(s.inflight > 0 for s in self.segments.values()):
+                    break
         return False
 
     def shutdown(self):

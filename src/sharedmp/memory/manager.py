@@ -8,9 +8,19 @@ daemon of its program and tells it, without waiting for an answer, what it holds
     received(path)   a message's name was attached    R  (holds it; consumes one)
     dropped(path)    the last view here died          D
     forget(path)     the name was taken by another    F
+    Tokens.carry()   a sharedmp channel's message     T  (references in flight, held by a token)
 
 Records go out in order on one socket; a record posted from a finalizer (``dropped``)
 never blocks on the lock: a thread holding it sends what is queued before it leaves.
+
+A message of a sharedmp channel carries a token fd beside its segments' fds: the write
+end of a pipe whose read end the daemon holds (passed once, with the token's first ``T``
+record). The kernel closes every copy of it when the message can no longer be received:
+the receiver has read it (and told the daemon it holds the names, ``H``), the channel was
+destroyed with the message unread, or the sender died before the message was sent. The
+daemon sees the end of the pipe and drops the references. Messages waiting together in
+one channel's feeder share their token. Elsewhere (a standard channel, spawn arguments)
+``sent`` counts one reference that the receiver's ``received`` consumes.
 
 Which daemon: the one named by ``$SHAREDMP_MANAGER`` (inherited from the process that
 started it, so children reuse their parent's), else a new one, started here in its own
@@ -18,13 +28,16 @@ session, listening in a fresh 0700 directory. A daemon that exited cleanly (its 
 gone) is replaced by a fresh one; one that was killed (socket left, nobody listening) or
 that refuses this process is a ``ManagerError`` that says what to do.
 """
+import array
 import collections
+import itertools
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 
 from ..errors import ManagerError
 
@@ -39,6 +52,8 @@ _sock = None                    # the connection, once made
 _dead = None                    # why this process can no longer use its daemon
 _daemon = None                  # (pid, socket path) of the daemon we talk to
 _popen = None                   # the daemon, if this process started it
+_generation = 0                 # counts connections made: a token belongs to one of them
+_MAX_FDS = 250                  # fds passed in one sendmsg (SCM_MAX_FD is 253)
 
 
 class _Gone(Exception):
@@ -123,7 +138,7 @@ def _start():
 
 
 def _connect():
-    global _sock, _daemon
+    global _sock, _daemon, _generation
     if _dead is not None:
         raise ManagerError(_dead)
     path = os.environ.get(ENV)
@@ -137,6 +152,7 @@ def _connect():
         s, pid, path = _start()
         os.environ[ENV] = path           # children started from now on use this daemon
     _sock, _daemon = s, (pid, path)
+    _generation += 1
 
 
 def ensure():
@@ -162,25 +178,45 @@ def _lost(e):
         _popen.poll()                    # reap it if it was our child
 
 
-def _post(op, path, wait=True):
-    """Queue a record and send what is queued; ManagerError (unless ``wait`` is False) if the
-    daemon has gone."""
-    _pending.append(op + b" " + os.fsencode(path) + b"\n")
+def _post(op, path, wait=True, fd=-1):
+    """Queue a record (with ``fd`` passed along, if any) and send what is queued;
+    ManagerError (unless ``wait`` is False) if the daemon has gone. With ``wait``, the
+    record is in the kernel on return (``fd`` may be closed)."""
+    _pending.append((op + b" " + (path if type(path) is bytes else os.fsencode(path)) + b"\n", fd))
     while _pending:
         if not _lock.acquire(wait):
             return                       # the holder sends it before it lets go
         try:
-            batch = []
-            while _pending:
-                batch.append(_pending.popleft())
-            if _sock is not None:
-                _sock.sendall(b"".join(batch), _NOSIGNAL)
+            _send_pending()
         except OSError as e:
             _lost(e)
         finally:
             _lock.release()
-    if wait and _dead is not None:
-        raise ManagerError(_dead)
+    if wait:
+        with _lock:                      # another thread may still be sending our record
+            pass
+        if _dead is not None:
+            raise ManagerError(_dead)
+
+
+def _send_pending():
+    """(lock held) Send every queued record, the fds passed along with theirs."""
+    while _pending:
+        batch, fds = [], []
+        while _pending and len(fds) < _MAX_FDS:
+            record, fd = _pending.popleft()
+            batch.append(record)
+            if fd >= 0:
+                fds.append(fd)
+        if _sock is None:
+            continue
+        data = b"".join(batch)
+        if fds:      # (stream socket: the fds arrive with the first byte of ``data``)
+            n = _sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                              _NOSIGNAL)
+            data = data[n:]
+        if data:
+            _sock.sendall(data, _NOSIGNAL)
 
 
 def created(path):
@@ -202,10 +238,62 @@ def received(path):
     _post(b"R", path)
 
 
+def holds(path):
+    ensure()
+    _post(b"H", path)
+
+
 def dropped(path):
     """From a finalizer: never blocks on the lock, never raises."""
     if _sock is not None:
         _post(b"D", path, wait=False)
+
+
+class _Token:
+    """The write end of a token pipe (closed when the last message that carries it is gone)."""
+
+    __slots__ = ("fd", "id", "generation", "__weakref__")
+
+    def __init__(self, fd, ident):
+        self.fd, self.id, self.generation = fd, ident, _generation
+
+    def __del__(self, _close=os.close):      # (os may be gone at interpreter exit)
+        _close(self.fd)
+
+
+_token_ids = itertools.count(1)
+
+
+class Tokens:
+    """The token of one channel in this process, shared by its messages not sent yet."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self):
+        self._last = None            # weakref to the _Token of the last message
+
+    def carry(self, paths, fds):
+        """Count one reference in flight for each of ``paths``, held by the token that this
+        message carries: its fd is appended to ``fds`` (and the token kept with it)."""
+        ensure()
+        token = self._last() if self._last is not None else None
+        if token is None or token.generation != _generation:
+            r, w = os.pipe2(os.O_CLOEXEC)
+            try:
+                token = _Token(w, next(_token_ids))
+            except BaseException:
+                os.close(r)
+                os.close(w)
+                raise
+            try:
+                _post(b"T", b"%d " % token.id + b"\0".join(map(os.fsencode, paths)), fd=r)
+            finally:
+                os.close(r)
+            self._last = weakref.ref(token)
+        else:
+            _post(b"T", b"%d " % token.id + b"\0".join(map(os.fsencode, paths)))
+        fds.append(token.fd)
+        fds.keep.append(token)
 
 
 def address():
@@ -226,7 +314,7 @@ def daemon_pid():
 
 
 def stats(path=None):
-    """{"clients", "segments", "in_flight"} of the daemon at ``path`` (default: ours), on a
+    """{"clients", "segments", "in_flight", "tokens"} of the daemon at ``path`` (default: ours), on a
     connection of its own; the segments are those the daemon has not unlinked yet."""
     path = path or address()
     s, _ = _hello(path)
@@ -241,8 +329,8 @@ def stats(path=None):
             reply += chunk
     finally:
         s.close()
-    clients, segments, in_flight = (int(x) for x in reply.split()[1:4])
-    return {"clients": clients - 1, "segments": segments, "in_flight": in_flight}
+    clients, segments, in_flight, tokens = (int(x) for x in reply.split()[1:5])
+    return {"clients": clients - 1, "segments": segments, "in_flight": in_flight, "tokens": tokens}
 
 
 def find_daemons():

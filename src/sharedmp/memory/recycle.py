@@ -24,12 +24,18 @@ with a new ``shared`` OFD. Reused memory keeps its old contents; ``segment.creat
 zeroes it unless the caller overwrites it anyway.
 
 Bounds: ``$SHAREDMP_RECYCLE_BYTES`` (default 256 MiB, 0 turns recycling off) for all the
-segments kept, a quarter of it for one segment, and a few fds (two per segment kept).
+segments kept, and a quarter of the memory this machine (or its cgroup) could still make
+available, whichever is smaller; a quarter of that for one segment; a few fds (two per
+segment kept). A segment not reused for ``cache.idle()`` seconds is let go.
 """
 import collections
 import fcntl
 import os
+import sys
 import threading
+import time
+
+from . import cache
 
 ENV = "SHAREDMP_RECYCLE_BYTES"
 DEFAULT_LIMIT = 256 << 20
@@ -37,7 +43,7 @@ MAX_ENTRIES = 16
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _lock = threading.RLock()       # an RLock: give() runs in finalizers, which may run inside take()
-_entries = collections.deque()  # [size, mapping, private fd], oldest first
+_entries = collections.deque()  # [size, mapping, private fd, unused since], oldest first
 _total = 0
 _limit = None
 
@@ -74,16 +80,23 @@ def shared_fd(private):
     return os.dup(private), False
 
 
-def give(size, mapping, private):
-    """The creator has no view of this segment left (and closed its ``shared`` fd): keep it."""
+def give(size, mapping, private, since=None, available=None):
+    """The creator has no view of this segment left (and closed its ``shared`` fd): keep it.
+
+    ``since``: when it was last used (default now); ``available``: bytes of memory this
+    machine could still make resident, if known (the pool stays below a quarter of that,
+    counting itself)."""
     global _total
-    if size > limit() // 4:
-        os.close(private)
-        return
+    bound = limit()
     with _lock:
-        _entries.append([size, mapping, private])
+        if available is not None:
+            bound = min(bound, (available + _total + size) // 4)
+        if size > bound // 4:
+            os.close(private)
+            return
+        _entries.append([size, mapping, private, time.monotonic() if since is None else since])
         _total += size
-        while _total > limit() or len(_entries) > MAX_ENTRIES:
+        while _total > bound or len(_entries) > MAX_ENTRIES:
             _drop(_entries.popleft())
 
 
@@ -112,9 +125,24 @@ def kept():
 
 def clear():
     """Let every kept segment go (before a big allocation fails, in tests, on demand)."""
+    expire(None)
+
+
+def expire(cutoff):
+    """(cache) Let go of the segments unused since ``cutoff`` (all if None); whether any is left."""
     with _lock:
-        while _entries:
-            _drop(_entries.popleft())
+        for entry in [e for e in _entries if cutoff is None or e[3] < cutoff]:
+            _entries.remove(entry)
+            _drop(entry)
+        return bool(_entries)
+
+
+def _held():
+    with _lock:
+        return _total, len(_entries) * (2 if sys.version_info < (3, 13) else 1)   # + mmap's dup
+
+
+cache.register(2, "pool", expire, _held)
 
 
 def _forget(entry):

@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 
 from ..errors import OutOfSharedMemory, SegmentError
-from . import manager, recycle
+from . import cache, manager, recycle
 
 HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
@@ -64,7 +64,7 @@ class Segment:
     """What this process knows of one segment; the mapping itself is held by the arrays."""
 
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
-                 "recycle", "dirty", "__weakref__")
+                 "recycle", "dirty", "hot", "idle_since", "__weakref__")
 
     def __init__(self, kind, key, size, fd, name, mm, owner, path=None, recycle=None):
         self.kind = kind          # "file_descriptor" | "file_system"
@@ -78,6 +78,8 @@ class Segment:
         self.address = _address(mm)
         self.recycle = recycle    # (mmap, private fd) of a memfd segment this process made
         self.dirty = False        # recycled and not zeroed (create(zero=False)): old bytes in it
+        self.hot = False          # attached again since the cache last looked (``_recent``)
+        self.idle_since = None    # unused since then (a cached arena let go): the pool's clock
 
     def __repr__(self):
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
@@ -95,20 +97,61 @@ _addresses = []
 
 # A receiver keeps the few small segments (arenas) it attached last mapped, even with no
 # view left: a stream of small arrays, each dropped after use, would otherwise map and
-# unmap its arena for every message. Bigger segments go with their last view.
+# unmap its arena for every message. Bigger segments go with their last view; these go
+# once no message has used them for ``cache.idle()`` seconds.
 KEEP_RECENT = 4
 KEEP_RECENT_MAX_SIZE = 4 << 20
-_recent = collections.deque(maxlen=KEEP_RECENT)
+_recent = collections.deque(maxlen=KEEP_RECENT)     # [mapping, Segment, monotonic time]
 
 
-def _keep_recent(mm):
+def _keep_recent(mm, seg):
     if len(mm) <= KEEP_RECENT_MAX_SIZE:
-        _recent.append(mm)
+        _recent.append([mm, seg, time.monotonic()])
 
 
 def forget_recent():
     """Drop the mappings kept by ``_keep_recent`` (they go once no view uses them)."""
     _recent.clear()
+
+
+def _expire_recent(cutoff):
+    """(cache) Let go of the recent mappings unused since ``cutoff`` (all if None); whether
+    this process still maps anything (the cache thread watches the pool of what it made)."""
+    now, drop = time.monotonic(), []
+    for entry in list(_recent):
+        seg = entry[1]
+        if cutoff is None or (not seg.hot and entry[2] < cutoff):
+            drop.append(entry)
+        elif seg.hot:
+            seg.hot, entry[2] = False, now
+    for entry in drop:
+        try:
+            _recent.remove(entry)
+        except ValueError:            # pushed out by a newer one meanwhile
+            pass
+    return bool(_by_key) or bool(_recent)   # (unmapped as ``drop`` goes: outside any lock)
+
+
+def _held_recent():
+    """(bytes, fds) of the recent mappings that nothing but this cache uses."""
+    return held_by([e[1] for e in list(_recent) if sys.getrefcount(e[0]) <= 2])  # (entry, call)
+
+
+def _held_mapped():
+    with _lock:
+        return held_by(list(_by_key.values()))
+
+
+# Python's mmap keeps a dup of the fd it maps until 3.13 (trackfd): one more fd per mapping.
+_FDS_PER_MAPPING = 1 if sys.version_info < (3, 13) else 0
+
+
+def held_by(segments):
+    """(bytes, fds) that these mapped segments hold in this process."""
+    return (sum(s.size for s in segments),
+            sum((s.fd >= 0) + (s.recycle is not None) + _FDS_PER_MAPPING for s in segments))
+cache.register(1, "recent", _expire_recent, _held_recent)
+cache.register(3, "mapped", lambda cutoff: False, _held_mapped)
 
 
 def _address(mm):
@@ -124,6 +167,7 @@ def _register(seg, mm):
             bisect.insort(_addresses, seg.address)
         _by_address[seg.address] = seg
     weakref.finalize(mm, _release, seg, id(mm))
+    cache.start()                   # gives back what stays cached once this is unused
 
 
 def _release(seg, mapping_id):
@@ -144,7 +188,7 @@ def _release(seg, mapping_id):
     if seg.recycle is not None:
         (mm, private), seg.recycle = seg.recycle, None
         if seg.owner_pid == os.getpid():
-            recycle.give(seg.size, mm, private)
+            recycle.give(seg.size, mm, private, seg.idle_since, _available_memory_cached())
         else:                       # inherited by fork: the parent reuses it, not this child
             os.close(private)
     if seg.path is not None:
@@ -429,6 +473,7 @@ def attach_fd(fd):
     seg = _by_key.get(key)        # (one dict read needs no lock: this runs for every array received)
     mm = seg.mapping() if seg is not None else None
     if mm is not None:
+        seg.hot = True
         return mm
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular file)")
@@ -452,19 +497,24 @@ def attach_fd(fd):
         raise
     seg = Segment("file_descriptor", key, st.st_size, own, None, mm, owner=False)
     _register(seg, mm)
-    _keep_recent(mm)
+    _keep_recent(mm, seg)
     return mm
 
 
-def attach_name(name):
-    """The mapping of the named segment ``name``, mapped once per process."""
+def attach_name(name, consume=True):
+    """The mapping of the named segment ``name``, mapped once per process.
+
+    ``consume``: a reference in flight counted at the daemon ends here (a message of a
+    sharedmp channel: false, its token holds the reference)."""
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise SegmentError(f"{name!r} is not a sharedmp segment name")
     with _lock:
         seg = _by_key.get(name)
         mm = seg.mapping() if seg is not None else None
     if mm is not None:
-        manager.received(seg.path)     # this message's reference in flight is consumed
+        seg.hot = True
+        if consume:
+            manager.received(seg.path)     # this message's reference in flight is consumed
         return mm
     manager.ensure()
     path = os.path.join(shm_dir(), name)
@@ -492,14 +542,18 @@ def attach_name(name):
         os.close(fd)
     seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False, path=path)
     _register(seg, mm)
-    manager.received(path)             # holds it now; the reference in flight is consumed
-    _keep_recent(mm)
+    if consume:
+        manager.received(path)         # holds it now; the reference in flight is consumed
+    else:
+        manager.holds(path)            # holds it now, before the message's token is closed
+    _keep_recent(mm, seg)
     return mm
 
 
 def _after_fork_in_child():
     global _lock
     _lock = threading.Lock()
+    _recent.clear()                 # the parent's cache; the child keeps what it uses itself
     # The child maps what the parent mapped: it holds those names too, on its own connection.
     manager.after_fork_in_child([s.path for s in _by_key.values() if s.path is not None])
 

@@ -13,15 +13,24 @@ from ..memory import manager, segment
 
 
 def reduce_segment(seg):
+    oob = fdpass.current()
     if seg.kind == "file_system":
-        # One reference in flight, told to the daemon before the message can leave: the
-        # name stays valid after the sender drops it or exits, until a receiver attaches.
+        # A reference in flight, told to the daemon before the message can leave: the name
+        # stays valid after the sender drops it or exits, until a receiver attaches. On a
+        # sharedmp channel the message's token holds it (see manager.py), elsewhere a count.
+        if oob is not None:
+            oob.names.append(seg.path)
+            return rebuild_name_in_band, (seg.name,)
         manager.sent(seg.path)
         return segment.attach_name, (seg.name,)
-    oob = fdpass.current()
     if oob is not None:
         return rebuild_fd_in_band, (oob.add(seg.fd),)
     return rebuild_fd_dup, (DupFd(seg.fd),)
+
+
+def rebuild_name_in_band(name):
+    # The message's token holds the reference in flight: this process holds the name now.
+    return segment.attach_name(name, consume=False)
 
 
 def rebuild_fd_in_band(index):

@@ -1,0 +1,176 @@
+"""Caches give memory back: what this process keeps after its last use goes when idle.
+
+sharedmp keeps three caches of shared memory, each a loan from the user:
+
+    arena.py     the current arena of each strategy, which the allocator keeps carving
+    segment.py   the few small segments received last, kept mapped (``_recent``)
+    recycle.py   memfd segments this process made, kept mapped for reuse (the pool)
+
+A stream of messages reuses them milliseconds apart. Once an entry has not been used for
+``idle()`` seconds ($SHAREDMP_CACHE_IDLE, default 1), one background thread,
+``sharedmp-cache``, lets it go: closed, unmapped, and under file_system unlinked by the
+daemon once no other process holds it. The thread runs while this process maps some
+sharedmp segment or caches one, wakes every ``TICK`` seconds, and ends when there is
+neither. ``empty()`` (``mp.empty_cache()``) lets every cache go at once.
+
+Each cache registers itself here (``register``), in the order in which the caches are
+expired and emptied: an arena let go may end its last view and land in the pool, which
+comes after it, so one pass releases both.
+
+What the process holds is published in a small memfd named ``stats.sharedmp`` (a line of
+JSON, rewritten when it changes) that ``python -m sharedmp doctor`` reads through
+``/proc/<pid>/fd``: it dies with the process, so nothing is ever left behind.
+"""
+import json
+import os
+import threading
+import time
+
+ENV = "SHAREDMP_CACHE_IDLE"
+DEFAULT_IDLE = 1.0
+TICK = 0.25
+STATS_NAME = "stats.sharedmp"     # (not "sharedmp...": leak checks look for those)
+STATS_SIZE = 4096
+
+_caches = []                  # [(order, name, expire, held)], sorted by order
+_lock = threading.Lock()
+_thread = None
+_wanted = False               # start() was called since the thread last looked
+_idle = None
+_stats_fd = -1
+_stats_last = None
+
+
+def idle():
+    """Seconds an unused cache entry is kept ($SHAREDMP_CACHE_IDLE, read once)."""
+    global _idle
+    if _idle is None:
+        raw = os.environ.get(ENV, "")
+        try:
+            _idle = float(raw) if raw else DEFAULT_IDLE
+        except ValueError:
+            raise ValueError(f"${ENV} must be a number of seconds, not {raw!r}") from None
+        if not _idle >= 0:
+            raise ValueError(f"${ENV} must be a number of seconds >= 0, not {raw!r}")
+    return _idle
+
+
+def register(order, name, expire, held):
+    """Add a cache. ``expire(cutoff)`` lets go of what was last used before the monotonic
+    time ``cutoff`` (everything when ``cutoff`` is None) and returns whether the thread is
+    still needed; ``held()`` is (bytes, fds) of what the cache keeps now."""
+    _caches.append((order, name, expire, held))
+    _caches.sort(key=lambda c: c[0])
+
+
+def start():
+    """Make sure the thread runs (called whenever a segment is mapped: cheap when it does)."""
+    global _thread, _wanted
+    if _wanted and _thread is not None:
+        return
+    idle()                            # a bad $SHAREDMP_CACHE_IDLE raises here, in the caller
+    with _lock:
+        _wanted = True
+        if _thread is None:
+            _thread = threading.Thread(target=_run, name="sharedmp-cache", daemon=True)
+            _thread.start()
+
+
+def _run():
+    global _thread, _wanted
+    while True:
+        time.sleep(TICK)
+        with _lock:
+            _wanted = False
+        needed = expire(time.monotonic() - idle())
+        _publish()
+        if not needed:
+            with _lock:
+                if not _wanted:
+                    _thread = None
+                    return
+
+
+def expire(cutoff):
+    """One pass over the caches; whether any still needs the thread."""
+    needed = False
+    for _, _, fn, _ in list(_caches):
+        try:
+            needed = fn(cutoff) or needed
+        except Exception:             # never let the thread die: the next pass retries
+            needed = True
+    return needed
+
+
+def empty():
+    """Let every cached segment of this process go now (``mp.empty_cache()``)."""
+    expire(None)
+    _publish()
+
+
+def held():
+    """{name: (bytes, fds)} of each cache (and of "mapped": everything this process maps)."""
+    return {name: fn() for _, name, _, fn in list(_caches)}
+
+
+def stats():
+    """What this process holds, as published for doctor."""
+    parts = held()
+    mapped = parts.pop("mapped", (0, 0))
+    return {"pid": os.getpid(), "mapped_bytes": mapped[0], "mapped_fds": mapped[1],
+            "cache": {name: list(v) for name, v in parts.items()}, "idle_s": idle()}
+
+
+def _publish():
+    global _stats_fd, _stats_last
+    try:
+        data = json.dumps(stats(), separators=(",", ":")).encode()
+        if data == _stats_last or len(data) >= STATS_SIZE:
+            return
+        if _stats_fd < 0:
+            if not hasattr(os, "memfd_create"):
+                return
+            _stats_fd = os.memfd_create(STATS_NAME, os.MFD_CLOEXEC)
+        os.pwrite(_stats_fd, data.ljust(STATS_SIZE, b" "), 0)
+        _stats_last = data
+    except Exception:                 # diagnostics only: never fail the process for them
+        pass
+
+
+def read_stats(pid):
+    """The stats another process (of this user) published, or None (for doctor)."""
+    base = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return None
+    for name in names:
+        try:
+            if os.readlink(f"{base}/{name}") != f"/memfd:{STATS_NAME} (deleted)":
+                continue
+            fd = os.open(f"{base}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            return json.loads(os.pread(fd, STATS_SIZE, 0).strip() or b"null")
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+    return None
+
+
+def _after_fork_in_child():
+    # The thread stays in the parent; the stats memfd describes the parent.
+    global _lock, _thread, _wanted, _stats_fd, _stats_last
+    _lock = threading.Lock()
+    _thread, _wanted, _stats_last = None, False, None
+    if _stats_fd >= 0:
+        try:
+            os.close(_stats_fd)
+        except OSError:
+            pass
+        _stats_fd = -1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
