@@ -323,6 +323,30 @@ def test_grace_period_then_sigkill_for_a_child_ignoring_sigterm(tmp_path):
     assert ctx.processes[1].exitcode == -signal.SIGKILL    # SIGTERM was ignored
 
 
+def test_stopping_the_others_is_logged_as_torch_logs_it(tmp_path, caplog):
+    # torch warns for each child it terminates, under its logger: logging set up for torch
+    # (and torch's own tests, which watch the "torch" logger) sees sharedmp's the same way.
+    ctx = mp.spawn(w.raise_at, args=(1, str(tmp_path)), nprocs=3, join=False)
+    with caplog.at_level("WARNING", logger="torch"), pytest.raises(mp.ProcessRaisedException):
+        while not ctx.join(TIMEOUT):
+            pass
+    records = [r for r in caplog.records if r.name == "torch.multiprocessing.spawn"]
+    assert sorted(r.getMessage() for r in records) == sorted(
+        f"Terminating process {ctx.pids()[i]} via signal SIGTERM" for i in (0, 2))
+
+
+def test_forkserver_children_start_in_parallel_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv(mp.ENV_VAR_PARALLEL_START, "1")
+    starters = []
+    real = pdeath._start_on_lasting_thread
+    monkeypatch.setattr(pdeath, "_start_on_lasting_thread",
+                        lambda start: starters.append(1) or real(start))
+    out = mp.zeros(4, dtype=np.int64)
+    mp.start_processes(w.fill_index, args=(out,), nprocs=4, start_method="forkserver")
+    assert list(out) == [1, 2, 3, 4]       # every index ran, with its own index
+    assert starters == []                  # started from the pool's threads, not serialised
+
+
 def test_join_timeout_false_while_running_then_true(tmp_path):
     flag = str(tmp_path / "go")
     ctx = mp.spawn(w.wait_for_file, args=(flag,), nprocs=2, join=False)

@@ -13,7 +13,7 @@ from .channels.context import JoinableQueue, Pipe, Pool, Queue, SimpleQueue, get
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessExitedException, ProcessRaisedException
 from .memory.cache import empty as empty_cache
-from .processes.spawn import ProcessContext, spawn, start_processes
+from .processes.spawn import ENV_VAR_PARALLEL_START, ProcessContext, spawn, start_processes
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"

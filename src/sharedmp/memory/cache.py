@@ -34,6 +34,7 @@ STATS_SIZE = 4096
 
 _caches = []                  # [(order, name, expire, held)], sorted by order
 _lock = threading.Lock()
+_pass_lock = threading.Lock()     # one pass at a time: empty() waits for the thread's to end
 _thread = None
 _wanted = False               # start() was called since the thread last looked
 _idle = None
@@ -94,11 +95,12 @@ def _run():
 def expire(cutoff):
     """One pass over the caches; whether any still needs the thread."""
     needed = False
-    for _, _, fn, _ in list(_caches):
-        try:
-            needed = fn(cutoff) or needed
-        except Exception:             # never let the thread die: the next pass retries
-            needed = True
+    with _pass_lock:
+        for _, _, fn, _ in list(_caches):
+            try:
+                needed = fn(cutoff) or needed
+            except Exception:         # never let the thread die: the next pass retries
+                needed = True
     return needed
 
 
@@ -162,8 +164,8 @@ def read_stats(pid):
 
 def _after_fork_in_child():
     # The thread stays in the parent; the stats memfd describes the parent.
-    global _lock, _thread, _wanted, _stats_fd, _stats_last
-    _lock = threading.Lock()
+    global _lock, _pass_lock, _thread, _wanted, _stats_fd, _stats_last
+    _lock, _pass_lock = threading.Lock(), threading.Lock()
     _thread, _wanted, _stats_last = None, False, None
     if _stats_fd >= 0:
         try:

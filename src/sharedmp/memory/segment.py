@@ -115,8 +115,8 @@ def forget_recent():
 
 
 def _expire_recent(cutoff):
-    """(cache) Let go of the recent mappings unused since ``cutoff`` (all if None); whether
-    this process still maps anything (the cache thread watches the pool of what it made)."""
+    """(cache) Let go of the recent mappings unused since ``cutoff`` (all if None). Whether the
+    cache thread is still needed: while this process maps a segment, it may land in a cache."""
     now, drop = time.monotonic(), []
     for entry in list(_recent):
         seg = entry[1]
@@ -150,6 +150,8 @@ def held_by(segments):
     """(bytes, fds) that these mapped segments hold in this process."""
     return (sum(s.size for s in segments),
             sum((s.fd >= 0) + (s.recycle is not None) + _FDS_PER_MAPPING for s in segments))
+
+
 cache.register(1, "recent", _expire_recent, _held_recent)
 cache.register(3, "mapped", lambda cutoff: False, _held_mapped)
 

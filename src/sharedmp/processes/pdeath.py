@@ -19,7 +19,8 @@ the process (prctl(2): "the parent thread"). ``Pool`` starts replacement workers
 its worker-handler thread, which ends at ``close()``/``join()``; any user thread may
 start a child and end. So a child is always created by a thread that lives as long as
 the process: the main thread, or else one daemon "starter" thread that runs ``start()``
-for the other threads. (A daemon thread is only abandoned at interpreter exit, after
+for the other threads (not for forkserver children, whose parent is the fork server: they
+may be started from many threads at once, as spawn()'s parallel start does). (A daemon thread is only abandoned at interpreter exit, after
 multiprocessing has joined or terminated the children it knows.)
 
 SIGKILL, because a parent-death signal that the child can catch or ignore does not
@@ -57,8 +58,10 @@ class DieWithParent:
         # What the child checks: (pid of the starting process, started via the fork server).
         self._sharedmp_parent = None
         if HAVE_PDEATHSIG and not keep_orphans():
-            self._sharedmp_parent = (os.getpid(), self._start_method == "forkserver")
-            if not _on_lasting_thread():
+            via_forkserver = self._start_method == "forkserver"
+            self._sharedmp_parent = (os.getpid(), via_forkserver)
+            # (a forkserver child's OS parent is the fork server's thread, not ours)
+            if not via_forkserver and not _on_lasting_thread():
                 return _start_on_lasting_thread(super().start)
         return super().start()
 

@@ -8,17 +8,27 @@ Adapted from torch/multiprocessing/spawn.py; changed:
 - if starting the k-th child fails, the children already started are killed;
 - bad ``fn``/``nprocs``/``start_method`` raise before anything starts;
 - ``join()`` after a failure raises the same exception again.
+
+As torch's: with ``$TORCH_MP_PARALLEL_START=1`` (``ENV_VAR_PARALLEL_START``) forkserver
+children are started in parallel, and stopping the others after a failure logs a warning
+for each one that gets SIGTERM or SIGKILL, under torch's logger name
+(``torch.multiprocessing.spawn``), so that logging set up for torch applies unchanged.
 """
+import logging
 import multiprocessing.connection
 import operator
+import os
 import signal
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 from ..channels.context import get_context
 from ..errors import ProcessExitedException, ProcessRaisedException
 
 _TERM_WAIT = 30          # seconds between SIGTERM and SIGKILL when no grace_period is given
+ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"      # torch's name and variable
+log = logging.getLogger("torch.multiprocessing.spawn")       # (creating it imports nothing)
 
 
 # The parent reads a traceback only once the child has ended, so what the child writes
@@ -94,10 +104,13 @@ class ProcessContext:
             _join_all(self.processes, grace_period)
         for p in self.processes:
             if p.is_alive():
+                log.warning("Terminating process %s via signal SIGTERM", p.pid)
                 p.terminate()
         _join_all(self.processes, _TERM_WAIT if grace_period is None else grace_period)
         for p in self.processes:
             if p.is_alive():            # stuck in C code that never reaches Python's handler
+                log.warning("Unable to shutdown process %s via SIGTERM, forcefully exiting via SIGKILL",
+                            p.pid)
                 p.kill()
             p.join()
         self.sentinels.clear()
@@ -152,23 +165,32 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     ctx = get_context(start_method)        # ValueError naming the valid start methods
     args = tuple(args)
 
-    processes, error_pipes = [], []
+    processes, error_pipes = [None] * nprocs, [None] * nprocs
+
+    def start(i):
+        reader, writer = multiprocessing.connection.Pipe(duplex=False)
+        error_pipes[i] = reader
+        try:
+            p = ctx.Process(target=_wrap, args=(fn, i, args, writer), daemon=daemon)
+            p.start()                   # spawn: an unpicklable fn or args raises here
+        finally:
+            writer.close()              # the child has its own; EOF once it is gone
+        processes[i] = p
+
     try:
-        for i in range(nprocs):
-            reader, writer = multiprocessing.connection.Pipe(duplex=False)
-            error_pipes.append(reader)
-            try:
-                p = ctx.Process(target=_wrap, args=(fn, i, args, writer), daemon=daemon)
-                p.start()                   # spawn: an unpicklable fn or args raises here
-            finally:
-                writer.close()              # the child has its own; EOF once it is gone
-            processes.append(p)
+        if start_method == "forkserver" and os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
+            with ThreadPoolExecutor(max_workers=nprocs) as executor:
+                for future in [executor.submit(start, i) for i in range(nprocs)]:
+                    future.result()
+        else:
+            for i in range(nprocs):
+                start(i)
     except BaseException:
-        for p in processes:
+        for p in filter(None, processes):
             p.kill()
-        for p in processes:
+        for p in filter(None, processes):
             p.join()
-        for conn in error_pipes:
+        for conn in filter(None, error_pipes):
             conn.close()
         raise
     context = ProcessContext(processes, error_pipes)
