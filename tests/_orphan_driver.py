@@ -25,12 +25,14 @@ TREE = [  # (start method, daemon, started from a thread that then ends)
     ("spawn", False, False), ("spawn", True, False),
     ("forkserver", False, False), ("forkserver", True, False),
     ("spawn", False, True), ("fork", True, True),
+    (None, False, False), (None, True, True),          # mp.Process: the default start method
 ]
 
 
 def tree(where):
     for method, daemon, from_thread in TREE:
-        p = mp.get_context(method).Process(target=w.sleep_forever, args=(where,), daemon=daemon)
+        cls = mp.Process if method is None else mp.get_context(method).Process
+        p = cls(target=w.sleep_forever, args=(where,), daemon=daemon)
         if from_thread:
             t = threading.Thread(target=p.start)
             t.start()

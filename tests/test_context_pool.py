@@ -17,10 +17,11 @@ import sharedmp as mp
 from sharedmp.channels import connection, context, queues
 
 import _channel_workers as cw
+import _process_workers as w
 from conftest import TIMEOUT, join_or_kill
 
 METHODS = ["spawn", "fork", "forkserver"]
-OVERRIDDEN = {"Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Pool", "get_context"}
+OVERRIDDEN = {"Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Pool", "Process", "get_context"}
 
 
 # -- contexts ------------------------------------------------------------------------------
@@ -94,13 +95,14 @@ def test_every_multiprocessing_name_is_exported():
     different = [n for n in multiprocessing.__all__
                  if n not in OVERRIDDEN and getattr(mp, n) is not getattr(multiprocessing, n)]
     assert not different, different
-    for name in ("Process", "Lock", "RLock", "Event", "Condition", "Semaphore", "Manager",
+    assert issubclass(mp.Process, multiprocessing.Process)     # dies with its parent (pdeath)
+    for name in ("Lock", "RLock", "Event", "Condition", "Semaphore", "Manager",
                  "Value", "Array", "Barrier", "current_process", "cpu_count",
                  "set_start_method", "get_start_method", "TimeoutError", "BufferTooShort"):
         assert getattr(mp, name) is getattr(multiprocessing, name), name
     for name in OVERRIDDEN:
         assert getattr(mp, name) is not getattr(multiprocessing, name), name
-    for name in ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool", "get_context"):
+    for name in ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool", "Process", "get_context"):
         assert getattr(mp, name).__module__ == "sharedmp.channels.context"
 
 
@@ -169,6 +171,21 @@ def test_strategy_carried_into_a_forkserver_child():
     del a, b
     q.close()
     q.join_thread()
+
+
+def test_a_forkserver_child_attaches_named_arguments_with_its_parents_daemon():
+    # The fork server predates the daemon, so its children's environment names none: had the
+    # child attached the argument with a daemon of its own, that one would have unlinked the
+    # name once the child left (and the second child found it gone).
+    ctx = mp.get_context("forkserver")
+    warm = ctx.Process(target=cw.pid_of, args=(0,), daemon=True)
+    warm.start()
+    assert join_or_kill(warm) == 0
+    mp.set_sharing_strategy("file_system")
+    out = mp.full(2, -1, dtype=np.int64)
+    name = mp.arrays.mapping_of(out)[1].path
+    mp.start_processes(w.fill_index, args=(out,), nprocs=2, start_method="forkserver")
+    assert out.tolist() == [1, 2] and os.path.exists(name)
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])

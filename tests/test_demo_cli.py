@@ -200,3 +200,15 @@ def test_failing_worker_exits_1_with_its_traceback(monkeypatch, capsys):
     assert rc == 1
     assert err.startswith("error: a worker failed, training stopped:")
     assert "Traceback" in err and "ValueError: deliberate failure in a worker's forward()" in err
+
+
+@pytest.mark.parametrize("missing, extra", [("torch", "demo"), ("tqdm", "demo"), ("sklearn", "demo")])
+def test_a_missing_extra_is_one_line_naming_it_and_exit_2(missing, extra):
+    # As if it were not installed: the import of ``missing`` fails, as it would without it.
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            "from sharedmp.cli import main\n"
+            "sys.exit(main(['demo', '--epochs', '1']))\n")
+    rc, out, err = run_bounded([sys.executable, "-c", code], TIMEOUT)
+    assert rc == 2, err
+    assert err.strip().splitlines() == [f"error: `demo` needs {missing}, which is not installed: "
+                                        f"pip install 'sharedmp[{extra}]'"]

@@ -9,7 +9,7 @@ from multiprocessing import *  # noqa: F401,F403  -- the standard surface, uncha
 
 from . import reductions as _reductions
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
-from .channels.context import JoinableQueue, Pipe, Pool, Queue, SimpleQueue, get_context
+from .channels.context import JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessExitedException, ProcessRaisedException
 from .memory.cache import empty as empty_cache

@@ -36,12 +36,30 @@ class _CarryStrategy:
                 pass                  # the child says so if it ever needs the daemon
         super().start()
 
+    def __getstate__(self):
+        # (spawn, forkserver) The daemon first: the arguments may name segments, which the
+        # child attaches while it unpickles them, before _bootstrap (a forkserver child's
+        # environment is the fork server's, which may predate the daemon or name another).
+        state = dict(self.__dict__)
+        path = state.get("_sharedmp_manager")
+        return {"_sharedmp_adopted": _Adopt(path), **state} if path else state
+
     def _bootstrap(self, *args, **kwargs):
         name = getattr(self, "_sharedmp_strategy", None)   # None: start() was overridden
         if name is not None:
             strategy.set_sharing_strategy(name)
             manager.adopt(self._sharedmp_manager)
         return super()._bootstrap(*args, **kwargs)
+
+
+class _Adopt:
+    """Unpickled as ``manager.adopt(path)``, before what follows it in the same pickle."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return manager.adopt, (self.path,)
 
 
 class ForkProcess(DieWithParent, _CarryStrategy, _std.ForkProcess):
@@ -56,6 +74,17 @@ class SpawnProcess(DieWithParent, _CarryStrategy, _std.SpawnProcess):
 
 class ForkServerProcess(DieWithParent, _CarryStrategy, _std.ForkServerProcess):
     pass
+
+
+class Process(DieWithParent, _CarryStrategy, _std.Process):
+    """``mp.Process``: multiprocessing.Process of the default start method (resolved at
+    ``start()``, as the standard one is), whose child starts with this process's sharing
+    strategy and dies with it, as those of sharedmp's contexts do. Subclasses too."""
+
+    def start(self):
+        if multiprocessing.get_start_method() == "fork":
+            _cuda.check_fork()
+        super().start()
 
 
 class _Channels:

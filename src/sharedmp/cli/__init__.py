@@ -23,6 +23,10 @@ COMMANDS = {
 }
 
 
+# A module a command needs -> the extra that installs it.
+EXTRAS = {"torch": "demo", "tqdm": "demo", "sklearn": "demo", "matplotlib": "bench"}
+
+
 def dist_version(name):
     """The installed version of distribution ``name`` without importing it, or None."""
     from importlib import metadata
@@ -79,12 +83,20 @@ def build_parser(argv=()):
 def main(argv=None):
     """Parse ``argv`` (default: sys.argv[1:]), run the command, return its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, module = build_parser(argv)
-    args = parser.parse_args(argv)
-    if module is None:            # cannot happen: argparse rejects unknown commands
-        parser.error(f"unknown command {args.command!r}")
     try:
+        parser, module = build_parser(argv)
+        args = parser.parse_args(argv)
+        if module is None:        # cannot happen: argparse rejects unknown commands
+            parser.error(f"unknown command {args.command!r}")
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        command = _selected(argv, COMMANDS) or "this command"
+        print(f"error: `{command}` needs {top}, which is not installed: "
+              f"pip install 'sharedmp[{EXTRAS[top]}]'", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:       # e.g. `python -m sharedmp doctor | head`

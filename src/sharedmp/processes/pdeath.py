@@ -27,6 +27,7 @@ SIGKILL, because a parent-death signal that the child can catch or ignore does n
 make it die; the kernel frees its memfd segments all the same. Linux only: elsewhere,
 and with ``SHAREDMP_KEEP_ORPHANS=1``, nothing here does anything.
 """
+import multiprocessing
 import os
 import signal
 import sys
@@ -58,7 +59,8 @@ class DieWithParent:
         # What the child checks: (pid of the starting process, started via the fork server).
         self._sharedmp_parent = None
         if HAVE_PDEATHSIG and not keep_orphans():
-            via_forkserver = self._start_method == "forkserver"
+            method = self._start_method or multiprocessing.get_start_method()  # (None: default's)
+            via_forkserver = method == "forkserver"
             self._sharedmp_parent = (os.getpid(), via_forkserver)
             # (a forkserver child's OS parent is the fork server's thread, not ours)
             if not via_forkserver and not _on_lasting_thread():
