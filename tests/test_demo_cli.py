@@ -5,6 +5,7 @@ would), with a timeout; on failure the whole process group is killed.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,7 +203,7 @@ def test_failing_worker_exits_1_with_its_traceback(monkeypatch, capsys):
     assert "Traceback" in err and "ValueError: deliberate failure in a worker's forward()" in err
 
 
-@pytest.mark.parametrize("missing, extra", [("torch", "demo"), ("tqdm", "demo"), ("sklearn", "demo")])
+@pytest.mark.parametrize("missing, extra", [("torch", "demo"), ("sklearn", "demo")])
 def test_a_missing_extra_is_one_line_naming_it_and_exit_2(missing, extra):
     # As if it were not installed: the import of ``missing`` fails, as it would without it.
     code = (f"import sys; sys.modules[{missing!r}] = None\n"
@@ -212,3 +213,19 @@ def test_a_missing_extra_is_one_line_naming_it_and_exit_2(missing, extra):
     assert rc == 2, err
     assert err.strip().splitlines() == [f"error: `demo` needs {missing}, which is not installed: "
                                         f"pip install 'sharedmp[{extra}]'"]
+
+
+def test_without_tqdm_the_demo_shows_its_progress_in_plain_lines():
+    code = ("import sys; sys.modules['tqdm'] = None\n"
+            "from sharedmp.cli import main\n"
+            "sys.exit(main(['demo', '--epochs', '2', '--hidden', '32']))\n")
+    rc, out, err = run_bounded([sys.executable, "-c", code], TIMEOUT)
+    assert rc == 0, err
+    lines = [line for line in err.splitlines() if " samples (" in line]
+    assert lines, err
+    final = re.fullmatch(r"2 workers: ([\d,]+)/([\d,]+) samples \(100%\), [\d,]+ samples/s, "
+                         r"loss [\d.]+, test acc ([\d.]+)%", lines[-1])
+    assert final, lines[-1]
+    assert final.group(1) == final.group(2)
+    # the bar's last accuracy is the final model's, as the summary prints it
+    assert f"test accuracy   {final.group(3)}%" in out, out

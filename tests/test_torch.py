@@ -517,3 +517,40 @@ def test_file_system_strategy(pipe):
     seg = seg_of(x)
     assert seg.kind == "file_system" and y.untyped_storage() is x.untyped_storage()
     assert os.path.exists(seg.path)
+
+
+# -- drop-in names -----------------------------------------------------------------------
+
+# The private helpers of torch.multiprocessing that its own test suite calls.
+TORCH_TEST_HELPERS = {"_set_thread_name", "_get_thread_name"}
+
+
+def torch_public_names():
+    """torch.multiprocessing's names: __all__, its other public names (spawn, ProcessContext,
+    init_reductions, ...) but not the modules it imports, and the helpers its tests use."""
+    import types
+
+    import torch.multiprocessing as tmp
+    public = {n for n in dir(tmp) if not n.startswith("_")
+              and not isinstance(getattr(tmp, n), types.ModuleType)}
+    return tmp, public | set(tmp.__all__) | TORCH_TEST_HELPERS
+
+
+def test_every_torch_multiprocessing_name_is_there():
+    tmp, names = torch_public_names()
+    missing = sorted(n for n in names if not hasattr(mp, n))
+    assert not missing, f"sharedmp lacks torch.multiprocessing's {missing}"
+    assert set(tmp.__all__) <= set(mp.__all__)
+    for name in TORCH_TEST_HELPERS:
+        assert getattr(mp, name) is getattr(tmp, name)
+    assert mp.ENV_VAR_PARALLEL_START == tmp.ENV_VAR_PARALLEL_START
+
+
+def test_torch_compatibility_aliases():
+    mp.init_reductions()                  # torch's name for registering the reducers: idempotent
+    t = torch.arange(4.0)
+    assert torch.equal(std_roundtrip(t), t) and t.is_shared()
+    assert issubclass(mp.SpawnContext, mp.ProcessContext)
+    with pytest.warns(UserWarning, match="renamed to ProcessContext"):
+        ctx = mp.SpawnContext([], [])      # torch's old name, with torch's warning
+    assert ctx.pids() == []

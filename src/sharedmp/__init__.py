@@ -6,19 +6,28 @@ Importing it registers the reducers with ``ForkingPickler``; it never imports to
 """
 import multiprocessing as _multiprocessing
 from multiprocessing import *  # noqa: F401,F403  -- the standard surface, unchanged
+from typing import TYPE_CHECKING, Any
 
 from . import reductions as _reductions
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
-from .channels.context import JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context
+# (mypy keeps multiprocessing's types for the names below, as torch.multiprocessing's users see
+# them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)
+from .channels.context import JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context  # type: ignore[assignment]
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessExitedException, ProcessRaisedException
 from .memory.cache import empty as empty_cache
-from .processes.spawn import ENV_VAR_PARALLEL_START, ProcessContext, spawn, start_processes
+from .processes.spawn import ENV_VAR_PARALLEL_START as ENV_VAR_PARALLEL_START  # (not in __all__, as in torch)
+from .processes.spawn import ProcessContext, spawn, start_processes
+from .processes.spawn import SpawnContext as SpawnContext  # torch's old name (not in __all__)
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"
 
-__all__ = list(_multiprocessing.__all__) + [
+if TYPE_CHECKING:   # mypy reads multiprocessing's names from here (it cannot evaluate list())
+    from multiprocessing import __all__ as __all__
+else:
+    __all__ = list(_multiprocessing.__all__)
+__all__ += [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
     "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
     "empty_cache",
@@ -29,16 +38,27 @@ __all__ = list(_multiprocessing.__all__) + [
 
 _reductions.register()
 
+
+def init_reductions() -> None:
+    """torch.multiprocessing's name for registering the reducers: done on import already."""
+    _reductions.register()
+
 # torch.multiprocessing's helpers that its own tests use; forwarded (torch imported on use).
 _TORCH_HELPERS = ("_set_thread_name", "_get_thread_name")
 
 
-def __getattr__(name):
-    if name in _TORCH_HELPERS:
-        try:
-            import torch.multiprocessing
-        except ImportError:
-            raise AttributeError(f"sharedmp.{name} is torch.multiprocessing's: install torch "
-                                 "(pip install 'sharedmp[torch]')") from None
-        return getattr(torch.multiprocessing, name)
-    raise AttributeError(f"module 'sharedmp' has no attribute {name!r}")
+if TYPE_CHECKING:
+    # What __getattr__ forwards; mypy does not see __getattr__ (it would make any name of
+    # sharedmp valid).
+    from torch.multiprocessing import _get_thread_name as _get_thread_name
+    from torch.multiprocessing import _set_thread_name as _set_thread_name
+else:
+    def __getattr__(name: str) -> Any:
+        if name in _TORCH_HELPERS:
+            try:
+                import torch.multiprocessing
+            except ImportError:
+                raise AttributeError(f"sharedmp.{name} is torch.multiprocessing's: install torch "
+                                     "(pip install 'sharedmp[torch]')") from None
+            return getattr(torch.multiprocessing, name)
+        raise AttributeError(f"module 'sharedmp' has no attribute {name!r}")

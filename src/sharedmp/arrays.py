@@ -3,17 +3,38 @@
 torch objects are handed to ``sharedmp.reductions.torch`` (imported only once torch is:
 ``_torch_of`` never imports it).
 """
+from __future__ import annotations
+
 import math
 import operator
 import sys
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, SupportsIndex, TypeVar, Union, overload
 
 import numpy as np
 
 from .memory import arena, segment
 from .strategy import get_sharing_strategy
 
+if TYPE_CHECKING:
+    import torch
+    from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-def _shape(shape):
+    from .memory.segment import Segment
+
+    _TorchObject = Union[torch.Tensor, torch.UntypedStorage, torch.TypedStorage, torch.nn.Module,
+                         torch.optim.Optimizer]
+
+    class _TorchReductions(Protocol):
+        """What arrays.py uses of ``sharedmp.reductions.torch`` (a module)."""
+        def share_memory_(self, obj: _TorchT) -> _TorchT: ...
+        def is_shared(self, obj: object) -> bool: ...
+
+ShapeLike = Union[SupportsIndex, Sequence[SupportsIndex]]
+_ArrayT = TypeVar("_ArrayT", bound="np.ndarray[Any, Any]")
+_TorchT = TypeVar("_TorchT", bound="_TorchObject")
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
     # The common cases first, without generators: this runs for every array allocated.
     if type(shape) is int and shape >= 0:
         return (shape,)
@@ -30,13 +51,13 @@ def _shape(shape):
         shape = tuple(operator.index(n) for n in shape)
     if any(n < 0 for n in shape):
         raise ValueError(f"negative dimensions are not allowed: {shape}")
-    return shape
+    return shape  # type: ignore[no-any-return]  # (a tuple of ints by now)
 
 
-_checked = {}     # a dtype argument seen before (float, "f4", np.float32, ...) -> its np.dtype
+_checked: dict[Any, np.dtype[Any]] = {}   # a dtype argument seen before (float, "f4", np.float32, ...) -> its np.dtype
 
 
-def _plain_dtype(dtype):
+def _plain_dtype(dtype: DTypeLike | None) -> np.dtype[Any]:
     try:
         return _checked[dtype]
     except (KeyError, TypeError):      # TypeError: unhashable, e.g. a list of fields
@@ -53,34 +74,38 @@ def _plain_dtype(dtype):
     return checked
 
 
-def empty(shape, dtype=float, order="C"):
+def empty(shape: ShapeLike, dtype: DTypeLike = float, order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A shared array of ``shape`` and ``dtype``; its contents are zero (as ``zeros``:
     fresh memory is zero, and recycled memory is zeroed at about memset speed)."""
     return _new(shape, dtype, order, True)
 
 
-def _new(shape, dtype, order, zero):
+def _new(shape: ShapeLike, dtype: DTypeLike | None, order: Literal["C", "F"], zero: bool) -> NDArray[Any]:
     shape, dtype = _shape(shape), _plain_dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     mapping, offset = arena.allocate(nbytes, get_sharing_strategy(), zero)
+    a: NDArray[Any]              # (typed here: numpy's stubs make ndarray() Any on Python 3.10)
     if order == "C":             # (the default, passed on, costs a third of the call)
-        return np.ndarray(shape, dtype, buffer=mapping, offset=offset)
-    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order=order)
+        a = np.ndarray(shape, dtype, buffer=mapping, offset=offset)
+        return a
+    a = np.ndarray(shape, dtype, buffer=mapping, offset=offset, order=order)
+    return a
 
 
-def zeros(shape, dtype=float, order="C"):
+def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A shared array of zeros."""
     return empty(shape, dtype, order)
 
 
-def full(shape, fill_value, dtype=None, order="C"):
+def full(shape: ShapeLike, fill_value: Any, dtype: DTypeLike | None = None,
+         order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A shared array filled with ``fill_value``."""
     a = _new(shape, np.array(fill_value).dtype if dtype is None else dtype, order, False)
     a[...] = fill_value
     return a
 
 
-def _torch_of(obj):
+def _torch_of(obj: object) -> _TorchReductions | None:
     """sharedmp's torch module if ``obj`` is a torch tensor, storage, module or optimizer."""
     torch = sys.modules.get("torch")
     if torch is None or isinstance(obj, np.ndarray):
@@ -92,7 +117,12 @@ def _torch_of(obj):
     return None
 
 
-def empty_like(a, dtype=None, shape=None):
+@overload
+def empty_like(a: torch.Tensor, dtype: torch.dtype | None = None,
+               shape: Sequence[int] | None = None) -> torch.Tensor: ...
+@overload
+def empty_like(a: ArrayLike, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> NDArray[Any]: ...
+def empty_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
     """A shared array with the shape and dtype of ``a`` (a torch tensor: a shared CPU tensor)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(a, torch.Tensor):
@@ -102,20 +132,26 @@ def empty_like(a, dtype=None, shape=None):
     return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
 
-def zeros_like(a, dtype=None, shape=None):
+@overload
+def zeros_like(a: torch.Tensor, dtype: torch.dtype | None = None,
+               shape: Sequence[int] | None = None) -> torch.Tensor: ...
+@overload
+def zeros_like(a: ArrayLike, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> NDArray[Any]: ...
+def zeros_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
     """A shared array of zeros with the shape and dtype of ``a``."""
     return empty_like(a, dtype, shape)
 
 
-def mapping_of(a):
+def mapping_of(a: NDArray[Any]) -> tuple[Any, Segment | None]:
     """(mapping, Segment) of the shared memory under ndarray ``a``, or (None, None)."""
     seg = segment.segment_of(a.base)      # the usual case: a view of a lease or of a mapping
     if seg is not None:
         return a.base, seg
-    root = a
+    root: Any = a
     for _ in range(1000):          # base chains are short; the bound only guards odd objects
         if isinstance(root, np.ndarray):
-            if type(root.base) is memoryview and segment.segment_of(root) is not None:
+            # (numpy's stubs say .base is an ndarray or None; it is whatever the buffer was)
+            if type(root.base) is memoryview and segment.segment_of(root) is not None:  # type: ignore[comparison-overlap, unused-ignore]
                 break                 # a lease: what a segment this process made is viewed through
             root = root.base
         elif isinstance(root, memoryview):
@@ -128,7 +164,7 @@ def mapping_of(a):
     return root, (segment.segment_of(root) if root is not None else None)
 
 
-def _extent(shape, strides, itemsize):
+def _extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
     """(lowest, end) byte offsets touched by a view, relative to its data pointer."""
     if 0 in shape:
         return 0, 0
@@ -141,7 +177,7 @@ def _extent(shape, strides, itemsize):
     return lo, hi + itemsize
 
 
-def copy_to_shared(a):
+def copy_to_shared(a: NDArray[Any]) -> NDArray[Any]:
     """A shared copy of ``a`` with the same strides where that costs at most twice its bytes."""
     _plain_dtype(a.dtype)
     lo, end = _extent(a.shape, a.strides, a.itemsize)
@@ -156,7 +192,11 @@ def copy_to_shared(a):
     return out
 
 
-def share(obj):
+@overload
+def share(obj: _ArrayT) -> _ArrayT: ...
+@overload
+def share(obj: _TorchT) -> _TorchT: ...
+def share(obj: Any) -> Any:
     """``obj`` in shared memory: a NumPy array is copied once (or returned if already shared);
     a torch tensor (storage, module, optimizer) moves in place, as ``share_memory_``, and is returned."""
     if isinstance(obj, np.ndarray):
@@ -167,7 +207,7 @@ def share(obj):
     raise TypeError(f"mp.share() takes a NumPy array or a torch tensor, not {type(obj).__name__}")
 
 
-def share_memory_(obj):
+def share_memory_(obj: _TorchT) -> _TorchT:
     """Move ``obj`` into shared memory in place: torch tensors, storages, modules (parameters,
     their ``.grad``, buffers) and optimizers (parameters and state, initialised eagerly)."""
     if isinstance(obj, np.ndarray):
@@ -180,7 +220,7 @@ def share_memory_(obj):
                     f"not {type(obj).__name__}")
 
 
-def is_shared(obj):
+def is_shared(obj: object) -> bool:
     """Whether ``obj``'s memory is shared (sharedmp's, or torch's for tensors)."""
     if isinstance(obj, np.ndarray):
         return mapping_of(obj)[1] is not None

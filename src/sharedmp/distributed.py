@@ -28,6 +28,8 @@ node(s) and the fix; the leader then stops its workers as for any other error.
 
 This module imports torch; ``import sharedmp`` never imports it.
 """
+from __future__ import annotations
+
 import datetime
 import functools
 import os
@@ -35,6 +37,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,15 +46,19 @@ BACKENDS = ("gloo", "nccl")
 DEFAULT_EVERY = 50        # steps of each worker between two averaging rounds
 DEFAULT_TIMEOUT = 60.0    # seconds: joining the group, and any one collective
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_T = TypeVar("_T")
 HOW_TO_LAUNCH = ("start one leader per node with torchrun --nnodes N --nproc-per-node 1 "
                  "--node-rank R --master-addr A --master-port P -m sharedmp demo ..., "
                  "or simulate N nodes on this machine with python -m sharedmp demo --nodes N")
 
 
+__all__ = ["Node", "NodeEnv", "NodeLost"]
+
+
 class NodeLost(RuntimeError):
     """Another node died, hangs or cannot be reached; the message names it and the fix."""
 
-    def __init__(self, message):
+    def __init__(self, message: str) -> None:
         super().__init__(message)
         self.at = time.time()                 # when it was seen (before the workers are stopped)
 
@@ -66,13 +73,13 @@ class NodeEnv:
     master_port: int
 
     @classmethod
-    def from_env(cls, environ=os.environ):
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> NodeEnv:
         """Read torchrun's variables; ``ValueError`` naming what is missing or wrong."""
         missing = [k for k in LAUNCH_ENV if not environ.get(k)]
         if missing:
             raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: "
                              + HOW_TO_LAUNCH)
-        values = {}
+        values: dict[str, int] = {}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
             text = environ.get(key, "0")
             try:
@@ -91,7 +98,8 @@ class NodeEnv:
 class Node:
     """This node's leader in the group of leaders: start alike, average every ``every`` steps."""
 
-    def __init__(self, env, backend="gloo", every=DEFAULT_EVERY, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, env: NodeEnv, backend: str = "gloo", every: int = DEFAULT_EVERY,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose gloo (CPU) or nccl (GPUs)")
         if backend == "nccl" and not torch.cuda.is_available():
@@ -106,7 +114,7 @@ class Node:
         # NCCL reduces tensors in GPU memory: the CPU parameters travel through this node's GPU.
         self.device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
         self.rounds = 0
-        self.peers = [None] * self.world_size      # (host, pid) of each rank's leader
+        self.peers: list[Any] = [None] * self.world_size      # (host, pid) of each rank's leader
         if backend == "nccl":
             torch.cuda.set_device(self.device)    # NCCL's collectives use the current device
         t0 = time.monotonic()
@@ -129,13 +137,13 @@ class Node:
             self.close()
             raise
 
-    def start(self, model):
+    def start(self, model: torch.nn.Module) -> None:
         """Give every node rank 0's parameters (also waits until every node is ready)."""
         flat = self._flatten(model)
         self._call("the start (broadcast of rank 0's parameters)", lambda: dist.broadcast(flat, src=0))
         self._unflatten(model, flat)
 
-    def average(self, model, training):
+    def average(self, model: torch.nn.Module, training: bool) -> bool:
         """One round: average the parameters across nodes; True while some node still trains.
 
         The caller has paused every writer of ``model``'s parameters.
@@ -149,11 +157,11 @@ class Node:
         self._unflatten(model, params)
         return still
 
-    def gather(self, obj):
+    def gather(self, obj: Any) -> list[Any]:
         """Every node's ``obj`` (picklable), in rank order."""
         return self._call("gathering the figures", lambda: _all_gather(obj))
 
-    def close(self):
+    def close(self) -> None:
         """Leave the group (harmless if it is already broken)."""
         if dist.is_initialized():
             try:
@@ -161,14 +169,14 @@ class Node:
             except Exception:                    # a broken group: nothing left to tear down
                 pass
 
-    def describe(self):
+    def describe(self) -> str:
         return (f"{self.world_size} nodes, torch.distributed {self.backend} via "
                 f"{self.env.master_addr}:{self.env.master_port}; parameters averaged every "
                 f"{self.every} steps of each worker")
 
     # ------------------------------------------------------------------------- internals
 
-    def _flatten(self, model, extra=None):
+    def _flatten(self, model: torch.nn.Module, extra: float | None = None) -> torch.Tensor:
         """The parameters as one flat tensor on ``self.device`` (one collective, not one per tensor)."""
         params = list(model.parameters())
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in params), torch.float32)
@@ -178,7 +186,7 @@ class Node:
                 parts.append(torch.tensor([extra], dtype=dtype))
             return torch.cat(parts).to(self.device)
 
-    def _unflatten(self, model, flat):
+    def _unflatten(self, model: torch.nn.Module, flat: torch.Tensor) -> None:
         """Copy ``flat`` into the parameters in place: they stay in the shared memory the workers map."""
         flat = flat.cpu()
         offset = 0
@@ -188,7 +196,7 @@ class Node:
                 p.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
 
-    def _call(self, what, fn):
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
         """Run a collective; its failure becomes ``NodeLost`` naming the other nodes and the fix."""
         t0 = time.monotonic()
         try:
@@ -196,7 +204,7 @@ class Node:
         except RuntimeError as e:                # DistBackendError, gloo's "Connection closed ..."
             raise NodeLost(self._lost_message(what, time.monotonic() - t0, e)) from None
 
-    def _lost_message(self, what, seconds, error):
+    def _lost_message(self, what: str, seconds: float, error: BaseException) -> str:
         others = [r for r in range(self.world_size) if r != self.rank]
         names = [f"rank {r}" + (f" (host {self.peers[r][0]}, pid {self.peers[r][1]})"
                                 if self.peers[r] else "") for r in others]
@@ -209,7 +217,7 @@ class Node:
                 f"raise --dist-timeout (now {self.timeout:.0f} s)")
 
 
-def exit_now(code):
+def exit_now(code: int) -> NoReturn:
     """End this leader process with ``code`` at once: flush stdout/stderr, then ``os._exit``.
 
     Hazard (torch 2.13, gloo): in a leader that has run ``training.train``, the process
@@ -229,12 +237,12 @@ def exit_now(code):
     os._exit(code)
 
 
-def _all_gather(obj):
+def _all_gather(obj: Any) -> list[Any]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def _first_line(error):
+def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__

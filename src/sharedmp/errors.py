@@ -1,4 +1,5 @@
 """Exceptions of sharedmp, in one place; each message says what to do."""
+from typing import Any
 
 
 class OutOfSharedMemory(MemoryError):
@@ -20,13 +21,13 @@ class ManagerError(RuntimeError):
 class ProcessException(Exception):
     """A child of ``mp.spawn()`` / ``mp.start_processes()`` failed (as torch's, picklable)."""
 
-    def __init__(self, msg, error_index, error_pid):
+    def __init__(self, msg: str, error_index: int, error_pid: int | None) -> None:
         super().__init__(msg)
         self.msg = msg
         self.error_index = error_index      # fn(i, ...): which i failed
         self.error_pid = error_pid
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type["ProcessException"], tuple[Any, ...]]:
         return type(self), (self.msg, self.error_index, self.error_pid)
 
 
@@ -37,11 +38,12 @@ class ProcessRaisedException(ProcessException):
 class ProcessExitedException(ProcessException):
     """A child exited with a non-zero code or was killed by a signal (``signal_name``)."""
 
-    def __init__(self, msg, error_index, error_pid, exit_code, signal_name=None):
+    def __init__(self, msg: str, error_index: int, error_pid: int | None, exit_code: int,
+                 signal_name: str | None = None) -> None:
         super().__init__(msg, error_index, error_pid)
         self.exit_code = exit_code          # as Process.exitcode: -N for signal N
         self.signal_name = signal_name
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type["ProcessException"], tuple[Any, ...]]:
         return type(self), (self.msg, self.error_index, self.error_pid, self.exit_code,
                             self.signal_name)

@@ -17,12 +17,12 @@ _ALL = ("file_descriptor", "file_system") if HAVE_MEMFD else ("file_system",)
 _DEFAULT = _ALL[0]
 
 
-def get_all_sharing_strategies():
+def get_all_sharing_strategies() -> set[str]:
     """The strategies this platform supports."""
     return set(_ALL)
 
 
-def _check(name, where):
+def _check(name: str, where: str) -> str:
     if name not in _ALL:
         raise ValueError(
             f"unknown sharing strategy {name!r}{where}; valid strategies: "
@@ -30,10 +30,10 @@ def _check(name, where):
     return name
 
 
-_current = None   # cached: reading os.environ costs a microsecond per allocation
+_current: str | None = None   # cached: reading os.environ costs a microsecond per allocation
 
 
-def get_sharing_strategy():
+def get_sharing_strategy() -> str:
     """The current strategy: set_sharing_strategy(), else $SHAREDMP_SHARING_STRATEGY, else the default."""
     global _current
     if _current is None:
@@ -42,13 +42,13 @@ def get_sharing_strategy():
     return _current
 
 
-def set_sharing_strategy(name):
+def set_sharing_strategy(name: str) -> None:
     """Choose the strategy for new shared memory here and in children started afterwards."""
     global _current
     os.environ[ENV] = _current = _check(name, "")
 
 
-def reload_from_environment():
+def reload_from_environment() -> None:
     """Forget the cached choice; the next get_sharing_strategy() reads the environment."""
     global _current
     _current = None

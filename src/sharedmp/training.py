@@ -28,19 +28,32 @@ on its own shard of the data (by rank); its workers on sub-shards.
 
 This module imports torch; ``import sharedmp`` never imports it.
 """
+from __future__ import annotations
+
 import functools
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 import sharedmp as mp
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, NDArray
+
+    from sharedmp.distributed import Node
+    from sharedmp.processes.spawn import ProcessContext
+
+__all__ = ["DataError", "Dataset", "split", "load_digits", "load_npz", "mlp", "mlp_factory",
+           "describe_model", "accuracy", "checksum", "train", "Result", "OPTIMIZERS", "DEFAULT_LR"]
 
 OPTIMIZERS = ("sgd", "adam")
 DEFAULT_LR = {"sgd": 0.05, "adam": 0.001}
@@ -61,26 +74,26 @@ class DataError(ValueError):
 class Dataset:
     """A classification data set split into train and test, features standardised."""
     name: str
-    X_train: np.ndarray      # float32 (n_train, n_features)
-    y_train: np.ndarray      # int64 class indices in [0, n_classes)
-    X_test: np.ndarray
-    y_test: np.ndarray
-    classes: np.ndarray      # the original label of each class index
+    X_train: NDArray[np.float32]  # float32 (n_train, n_features)
+    y_train: NDArray[np.int64]    # int64 class indices in [0, n_classes)
+    X_test: NDArray[np.float32]
+    y_test: NDArray[np.int64]
+    classes: NDArray[Any]  # the original label of each class index
 
     @property
-    def n_features(self):
-        return self.X_train.shape[1]
+    def n_features(self) -> int:
+        return int(self.X_train.shape[1])
 
     @property
-    def n_classes(self):
+    def n_classes(self) -> int:
         return len(self.classes)
 
-    def describe(self):
+    def describe(self) -> str:
         return (f"{self.name}: {len(self.y_train)} train / {len(self.y_test)} test samples, "
                 f"{self.n_features} features, {self.n_classes} classes")
 
 
-def split(name, X, y, test_fraction=0.25, seed=0):
+def split(name: str, X: ArrayLike, y: ArrayLike, test_fraction: float = 0.25, seed: int = 0) -> Dataset:
     """A ``Dataset`` from features ``X`` and labels ``y``: shuffled split, standardised by the train part."""
     if not 0 < test_fraction < 1:
         raise DataError(f"test_fraction must be between 0 and 1, not {test_fraction}")
@@ -93,17 +106,17 @@ def split(name, X, y, test_fraction=0.25, seed=0):
     std[std == 0] = 1.0                       # constant features (digits has some): leave at 0
     X = ((X - mean) / std).astype(np.float32)
     y = y.astype(np.int64)
-    return Dataset(name, X[train], y[train], X[test], y[test], classes)
+    return Dataset(name, X[train], y[train], X[test], y[test], classes)  # type: ignore[index, arg-type]  # (arrays by now)
 
 
-def load_digits(test_fraction=0.25, seed=0):
+def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Dataset:
     """scikit-learn's bundled 8x8 digits (1,797 images, 10 classes; no download)."""
     from sklearn.datasets import load_digits as sk_load_digits
     X, y = sk_load_digits(return_X_y=True)
     return split("digits (scikit-learn, 8x8 images)", X, y, test_fraction, seed)
 
 
-def load_npz(path, test_fraction=0.25, seed=0):
+def load_npz(path: str | os.PathLike[str], test_fraction: float = 0.25, seed: int = 0) -> Dataset:
     """A user's data set: an ``.npz`` file with arrays ``X`` (samples x features) and ``y`` (labels)."""
     how = "save it with np.savez(FILE, X=features, y=labels)"
     try:
@@ -155,7 +168,7 @@ def load_npz(path, test_fraction=0.25, seed=0):
 
 # ------------------------------------------------------------------------------------ model
 
-def mlp(n_in, n_out, hidden=(1024, 1024)):
+def mlp(n_in: int, n_out: int, hidden: Sequence[int] = (1024, 1024)) -> torch.nn.Sequential:
     """A multi-layer perceptron: Linear + ReLU per hidden width, then a Linear to ``n_out``."""
     layers, width = [], n_in
     for h in hidden:
@@ -165,12 +178,12 @@ def mlp(n_in, n_out, hidden=(1024, 1024)):
     return torch.nn.Sequential(*layers)
 
 
-def mlp_factory(data, hidden=(1024, 1024)):
+def mlp_factory(data: Dataset, hidden: Sequence[int] = (1024, 1024)) -> Callable[[], torch.nn.Sequential]:
     """A picklable model factory for ``train``: an MLP sized for ``data``."""
     return functools.partial(mlp, data.n_features, data.n_classes, tuple(hidden))
 
 
-def describe_model(model):
+def describe_model(model: torch.nn.Module) -> str:
     """'MLP 64-1024-1024-10 (1,126,410 parameters)' for an ``mlp``, else the class and size."""
     n = sum(p.numel() for p in model.parameters())
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -180,14 +193,14 @@ def describe_model(model):
     return f"{type(model).__name__} ({n:,} parameters)"
 
 
-def accuracy(model, X, y):
+def accuracy(model: torch.nn.Module, X: NDArray[np.float32], y: NDArray[np.int64]) -> float:
     """The fraction of samples of ``X`` whose predicted class is ``y``."""
     with torch.no_grad():
         predicted = model(torch.from_numpy(X)).argmax(dim=1).numpy()
     return float((predicted == y).mean())
 
 
-def checksum(model):
+def checksum(model: torch.nn.Module) -> int:
     """A CRC of the bytes of every parameter: equal checksums mean identical weights."""
     crc = 0
     for p in model.parameters():
@@ -195,7 +208,7 @@ def checksum(model):
     return crc
 
 
-def make_optimizer(name, params, lr):
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "adam":
@@ -208,28 +221,29 @@ def make_optimizer(name, params, lr):
 @dataclass
 class Board:
     """What workers and parent share besides the model: shared NumPy arrays (see the module doc)."""
-    status: np.ndarray        # int64 (workers,)
-    samples: np.ndarray       # int64 (workers,)
-    steps: np.ndarray         # int64 (workers,)
-    seconds: np.ndarray       # float64 (workers,): when each finished, seconds since go
-    log: np.ndarray           # float64 (workers, LOG_ROWS, 3)
-    rows: np.ndarray          # int64 (workers,): rows of log written
-    checksums: np.ndarray     # int64 (workers,): each worker's view of the final weights
-    control: np.ndarray       # float64 (5,): go (1 go, -1 stop before start), stop, go time,
+    status: NDArray[np.int64]     # int64 (workers,)
+    samples: NDArray[np.int64]    # int64 (workers,)
+    steps: NDArray[np.int64]      # int64 (workers,)
+    seconds: NDArray[np.float64]  # float64 (workers,): when each finished, seconds since go
+    log: NDArray[np.float64]      # float64 (workers, LOG_ROWS, 3)
+    rows: NDArray[np.int64]       # int64 (workers,): rows of log written
+    checksums: NDArray[np.int64]  # int64 (workers,): each worker's view of the final weights
+    control: NDArray[np.float64]  # float64 (5,): go (1 go, -1 stop before start), stop, go time,
                               # RESUME, FINAL (several nodes)
-    waiting: np.ndarray       # int64 (workers,): the averaging round each worker last reached
-    paused: np.ndarray        # float64 (workers,): seconds each worker waited for averaging
+    waiting: NDArray[np.int64]   # int64 (workers,): the averaging round each worker last reached
+    paused: NDArray[np.float64]  # float64 (workers,): seconds each worker waited for averaging
 
     @classmethod
-    def create(cls, workers):
+    def create(cls, workers: int) -> Board:
         return cls(mp.zeros(workers, np.int64), mp.zeros(workers, np.int64),
                    mp.zeros(workers, np.int64), mp.zeros(workers), mp.zeros((workers, LOG_ROWS, 3)),
                    mp.zeros(workers, np.int64), mp.zeros(workers, np.int64), mp.zeros(5),
                    mp.zeros(workers, np.int64), mp.zeros(workers))
 
-    def loss_curve(self, i):
+    def loss_curve(self, i: int) -> NDArray[np.float64]:
         """Worker i's (seconds, samples, loss) rows."""
-        return self.log[i, :self.rows[i]].copy()
+        rows: NDArray[np.float64] = self.log[i, :self.rows[i]].copy()
+        return rows
 
 
 @dataclass
@@ -237,9 +251,9 @@ class WorkerArgs:
     """Everything a worker gets: the shared model, optimizer, data, board and settings."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    X: np.ndarray             # shared float32 train features
-    y: np.ndarray             # shared int64 train labels
-    order: np.ndarray         # shared permutation; worker i trains on order[i::workers]
+    X: NDArray[np.float32]    # shared float32 train features
+    y: NDArray[np.int64]      # shared int64 train labels
+    order: NDArray[np.int64]  # shared permutation; worker i trains on order[i::workers]
     board: Board
     workers: int
     epochs: int
@@ -248,7 +262,7 @@ class WorkerArgs:
     every: int = 0            # several nodes: wait for averaging after every `every` steps
 
 
-def worker(rank, a):
+def worker(rank: int, a: WorkerArgs) -> None:
     """One Hogwild worker: train the shared model on shard ``rank``, reporting on the board."""
     # The parent owns Ctrl-C and stops workers through the board, so that a Ctrl-C at the
     # terminal (which reaches the whole process group) prints no traceback per worker.
@@ -301,7 +315,7 @@ def worker(rank, a):
     board.checksums[rank] = checksum(a.model)
 
 
-def _wait_for_round(board, rank, n):
+def _wait_for_round(board: Board, rank: int, n: int) -> None:
     """(in a worker) Wait until the leader has averaged round ``n`` (or stops the run)."""
     t0 = time.monotonic()
     board.waiting[rank] = n
@@ -326,28 +340,28 @@ class Result:
     train_seconds: float      # from go to the last worker's last step
     startup_seconds: float    # from start to go: spawn, import torch, unpickle the model
     elapsed_seconds: float    # the whole call
-    steps: list               # optimizer steps per worker
-    loss_curves: list         # per worker: array of (seconds, samples, mean loss) rows
-    accuracy_curve: list      # (seconds since go, test accuracy) seen by the parent
-    worker_checksums: list    # each worker's checksum of the final weights
+    steps: list[int]          # optimizer steps per worker
+    loss_curves: list[NDArray[np.float64]]      # per worker: array of (seconds, samples, mean loss) rows
+    accuracy_curve: list[tuple[float, float]]   # (seconds since go, test accuracy) seen by the parent
+    worker_checksums: list[int]    # each worker's checksum of the final weights
     parent_checksum: int      # the parent's checksum of the same weights
     shared_step: float | None  # adam: the shared step counter after training
-    model: object = field(repr=False, default=None)
+    model: torch.nn.Module | None = field(repr=False, default=None)
     node: int | None = None   # several nodes: this node's rank
-    rounds: list = field(default_factory=list)   # per averaging round: (seconds since go,
+    rounds: list[tuple[float, float, int]] = field(default_factory=list)   # per averaging round: (seconds since go,
                                                   # all-reduce seconds, checksum after it)
-    paused_seconds: list = field(default_factory=list)   # per worker: waited for averaging
+    paused_seconds: list[float] = field(default_factory=list)   # per worker: waited for averaging
 
     @property
-    def allreduce_seconds(self):
+    def allreduce_seconds(self) -> float:
         """Time the leader spent averaging (waiting for slower nodes included)."""
         return float(sum(r[1] for r in self.rounds))
 
     @property
-    def samples_per_s(self):
+    def samples_per_s(self) -> float:
         return self.samples / self.train_seconds if self.train_seconds > 0 else float("nan")
 
-    def to_json(self):
+    def to_json(self) -> dict[str, Any]:
         """The figures as JSON-ready data (no model)."""
         return {
             "workers": self.workers, "optimizer": self.optimizer, "lr": self.lr,
@@ -366,22 +380,22 @@ class Result:
 class _Threads:
     """Set torch's intra-op threads for a block and restore them after."""
 
-    def __init__(self, n):
+    def __init__(self, n: int) -> None:
         self.n = n
 
-    def __enter__(self):
+    def __enter__(self) -> None:
         self.old = torch.get_num_threads()
         torch.set_num_threads(self.n)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         torch.set_num_threads(self.old)
 
 
-def _start(workers, args):
+def _start(workers: int, args: WorkerArgs) -> ProcessContext:
     """Start the workers with SIGINT ignored, so that they inherit that (see ``worker``)."""
     # A spawned child keeps an ignored SIGINT ignored (CPython installs its KeyboardInterrupt
     # handler only over SIG_DFL), which covers its start-up, before ``worker`` runs.
-    def start():
+    def start() -> ProcessContext:
         return mp.start_processes(worker, args=(args,), nprocs=workers, join=False,
                                   start_method="spawn")
     if threading.current_thread() is not threading.main_thread():
@@ -393,7 +407,7 @@ def _start(workers, args):
         signal.signal(signal.SIGINT, old)
 
 
-def _stop(pctx, board):
+def _stop(pctx: ProcessContext, board: Board) -> None:
     """Ask the workers to return, wait a little, kill what is left (by pid)."""
     board.control[0] = -1 if board.control[0] == 0 else board.control[0]
     board.control[1] = 1
@@ -413,8 +427,10 @@ def _stop(pctx, board):
         pass
 
 
-def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, optimizer="sgd",
-          seed=0, progress=True, eval_interval=0.5, timeout=None, label=None, node=None):
+def train(model_factory: Callable[[], torch.nn.Module], data: Dataset, workers: int = 2, epochs: int = 10,
+          batch_size: int = 64, lr: float | None = None, optimizer: str = "sgd", seed: int = 0,
+          progress: bool = True, eval_interval: float = 0.5, timeout: float | None = None,
+          label: str | None = None, node: Node | None = None) -> Result:
     """Train ``model_factory()`` on ``data`` (a ``Dataset``) with ``workers`` Hogwild processes.
 
     ``lr`` defaults to ``DEFAULT_LR[optimizer]``. The parent evaluates the shared model on
@@ -449,6 +465,9 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
     args = WorkerArgs(model, opt, mp.share(data.X_train), mp.share(data.y_train), mp.share(order),
                       board, workers, epochs, batch_size, seed, node.every if node is not None else 0)
     total = epochs * len(order)
+    curve: list[tuple[float, float]]
+    bar: Any                                  # a tqdm bar, or None
+    rounds: list[tuple[float, float, int]]
     curve, bar, rounds = [], None, []
     poll = 0.1 if node is None else 0.002     # workers wait for each round: notice it soon
     with _Threads(1):                         # the parent must not compete with the workers
@@ -474,14 +493,14 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
                 if timeout is not None and now - t_call > timeout:
                     raise TimeoutError(f"training did not finish within {timeout} s")
                 training = (board.status != DONE).any()
-                if averaging and ((board.waiting > len(rounds)) | (board.status == DONE)).all():
+                if averaging and node is not None and ((board.waiting > len(rounds)) | (board.status == DONE)).all():
                     averaging = node.average(model, training)   # False: every node is done
                     rounds.append((now - t_go, time.monotonic() - now, checksum(model)))
                     board.control[RESUME] = len(rounds)
                     board.control[FINAL] = not averaging
                     last_round = time.monotonic()
                     continue
-                if averaging and now - last_round > node.timeout:
+                if averaging and node is not None and now - last_round > node.timeout:
                     # The other nodes give up on this one after as long, in their all_reduce.
                     late = np.flatnonzero((board.waiting <= len(rounds)) & (board.status != DONE))
                     raise TimeoutError(
@@ -496,7 +515,10 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
                     _update(bar, board, curve)
                     next_update = now + 0.05
                 if not training and bar is not None:
-                    bar.close()               # before the workers' exit, so its rate is training's
+                    # The final model's accuracy on the bar, not the last evaluation's; closed
+                    # before the workers' exit, so that its rate is training's.
+                    _update(bar, board, [*curve, (now - t_go, accuracy(model, data.X_test, data.y_test))])
+                    bar.close()
                     bar = None
             _update(bar, board, curve)
         except BaseException:                 # Ctrl-C, timeout, a worker that failed
@@ -521,7 +543,7 @@ def train(model_factory, data, workers=2, epochs=10, batch_size=64, lr=None, opt
         paused_seconds=board.paused.tolist())
 
 
-def _wait_ready(pctx, board, t_call, timeout):
+def _wait_ready(pctx: ProcessContext, board: Board, t_call: float, timeout: float | None) -> None:
     """Wait until every worker is ready. A worker that fails raises here."""
     limit = STARTUP_TIMEOUT if timeout is None else min(STARTUP_TIMEOUT, timeout)
     while (board.status < READY).any():
@@ -531,15 +553,54 @@ def _wait_ready(pctx, board, t_call, timeout):
             raise TimeoutError(f"the workers were not ready within {limit:.0f} s")
 
 
-def _progress_bar(total, label, enabled):
+def _progress_bar(total: int, label: str, enabled: bool) -> Any:   # a tqdm bar, _Lines, or None
     if not enabled:
         return None
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:               # tqdm is the demo extra's; plain lines do without it
+        return _Lines(total, label)
     return tqdm(total=total, desc=label, unit="sample", unit_scale=True, leave=True,
                 dynamic_ncols=True, disable=None)
 
 
-def _update(bar, board, curve):
+class _Lines:
+    """What ``train`` uses of a tqdm bar, as a line on stderr every few seconds and at the end."""
+
+    EVERY = 2.0
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.n = total, label, 0
+        self.postfix: dict[str, str] = {}
+        self._t0 = self._last = time.monotonic()
+
+    def set_description(self, label: str, refresh: bool = True) -> None:
+        self.label = label
+
+    def reset(self, total: int) -> None:
+        self.total, self.n = total, 0
+        self._t0 = self._last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def set_postfix(self, postfix: dict[str, str], refresh: bool = True) -> None:
+        self.postfix = postfix
+        if time.monotonic() - self._last >= self.EVERY:
+            self._print()
+
+    def close(self) -> None:
+        self._print()
+
+    def _print(self) -> None:
+        self._last = now = time.monotonic()
+        rate = self.n / max(now - self._t0, 1e-9)
+        extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
+        print(f"{self.label}: {self.n:,}/{self.total:,} samples ({self.n / max(self.total, 1):.0%}), "
+              f"{rate:,.0f} samples/s{extra}", file=sys.stderr, flush=True)
+
+
+def _update(bar: Any, board: Board, curve: list[tuple[float, float]]) -> None:
     if bar is None:
         return
     bar.update(int(board.samples.sum()) - bar.n)

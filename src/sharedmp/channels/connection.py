@@ -14,6 +14,8 @@ The path of one array (compare multiprocessing.connection, changed: frames carry
 No connection back to the sender, ever (torch's file_descriptor strategy opens one per
 tensor through multiprocessing's resource sharer).
 """
+from __future__ import annotations
+
 import copyreg
 import importlib
 import io
@@ -23,6 +25,7 @@ import pickle
 import select
 import socket
 from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import numpy as np
 
@@ -31,26 +34,29 @@ from ..memory import manager
 from ..reductions.ndarray import decode_array, encode_array, reduce_ndarray
 from . import fdpass
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
 SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
 
 
 class _Pickler(pickle.Pickler):
     """ForkingPickler's reducers without copying its dispatch table for every message."""
 
-    _source = None
+    _source: tuple[int, int] | None = None
 
     @classmethod
-    def refresh(cls):
+    def refresh(cls) -> None:
         # ForkingPickler copies copyreg's table and its registrations on every __init__
         # (a few microseconds per message); reuse the merged table until either changes.
-        source = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))
+        source = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))  # type: ignore[attr-defined]
         if cls._source != source:
             table = dict(copyreg.dispatch_table)
-            table.update(ForkingPickler._extra_reducers)
+            table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
             cls.dispatch_table, cls._source = table, source
 
 
-def reducers_changed():
+def reducers_changed() -> None:
     """Call after replacing a ForkingPickler registration (the count alone would not tell)."""
     _Pickler._source = None
 
@@ -62,12 +68,16 @@ FLAG_TENSOR = 2    # the payload is ``encode_tensor``'s header (reductions/torch
 # A message of one object of these types alone skips pickle: type -> (the reducer it has
 # while sharedmp's is registered, encode(obj, fds) -> payload or None, flag); and
 # flag -> decode(payload, fds). A user's own ForkingPickler registration turns it off.
-_encoders = {np.ndarray: (reduce_ndarray, encode_array, FLAG_ARRAY)}
-_decoders = {FLAG_ARRAY: decode_array}
+Reducer = Callable[[Any], Any]
+Encoder = Callable[[Any, fdpass.Fds], Optional[bytes]]       # None: pickle it instead
+Decoder = Callable[[Union[bytes, bytearray], list[int]], Any]
+_encoders: dict[type[Any], tuple[Reducer, Encoder, int]] = {
+    np.ndarray: (reduce_ndarray, encode_array, FLAG_ARRAY)}
+_decoders: dict[int, Decoder] = {FLAG_ARRAY: decode_array}
 _LAZY = {FLAG_TENSOR: ("sharedmp.reductions.torch", "torch")}   # decoders that register on import
 
 
-def frame_kind(flag, decode, reducers, encode):
+def frame_kind(flag: int, decode: Decoder, reducers: dict[type[Any], Reducer], encode: Encoder) -> None:
     """Register a binary frame: ``decode`` for ``flag``; ``encode`` for each type of
     ``reducers`` (type -> its sharedmp reducer)."""
     _decoders[flag] = decode
@@ -75,14 +85,14 @@ def frame_kind(flag, decode, reducers, encode):
         _encoders[cls] = (reducer, encode, flag)
 
 
-def dumps(obj, tokens=None):
+def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffer, fdpass.Fds, int]:
     """(payload, fds, flags) of ``obj``: its bytes (a pickle, or for an array or a tensor
     alone a fixed header), the fds it references (borrowed) and the frame's flags.
 
     ``tokens``: the sending channel's (``manager.Tokens``); named segments in ``obj`` are
     then in flight until this message can no longer be received (its token fd comes last)."""
     kind = _encoders.get(type(obj))
-    if kind is not None and ForkingPickler._extra_reducers.get(type(obj)) is kind[0]:
+    if kind is not None and ForkingPickler._extra_reducers.get(type(obj)) is kind[0]:  # type: ignore[attr-defined]
         fds = fdpass.Fds()
         payload = kind[1](obj, fds)
         if payload is not None:
@@ -100,7 +110,7 @@ def dumps(obj, tokens=None):
     return buf.getbuffer(), oob.fds, 0
 
 
-def _decoder(flags):
+def _decoder(flags: int) -> Decoder:
     decode = _decoders.get(flags)
     if decode is None and flags in _LAZY:
         module, needs = _LAZY[flags]
@@ -116,7 +126,7 @@ def _decoder(flags):
     return decode
 
 
-def loads(payload, fds, flags=0):
+def loads(payload: bytes | bytearray, fds: list[int], flags: int = 0) -> Any:
     """The object of a received frame; closes the received fds whatever happens."""
     if flags:
         try:
@@ -134,7 +144,7 @@ def loads(payload, fds, flags=0):
         fdpass.close_all(fds)
 
 
-def socketpair():
+def socketpair() -> tuple[socket.socket, socket.socket]:
     a, b = socket.socketpair(socket.AF_UNIX, fdpass.SOCK_TYPE)
     for s in (a, b):
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -156,32 +166,32 @@ def socketpair():
 class Connection:
     """One end of a sharedmp Pipe; the API of multiprocessing.connection.Connection."""
 
-    def __init__(self, sock, readable=True, writable=True):
+    def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True) -> None:
         if not readable and not writable:
             raise ValueError("at least one of `readable` and `writable` must be True")
-        self._sock = sock
-        self._poller = None
+        self._sock: socket.socket | None = sock
+        self._poller: select.poll | None = None
         self._tokens = manager.Tokens()     # of the named segments its messages carry
         self._readable = readable
         self._writable = writable
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self._sock is None else f"fd={self._sock.fileno()}"
         return f"<sharedmp.Connection {state}>"
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._sock is None
 
     @property
-    def readable(self):
+    def readable(self) -> bool:
         return self._readable
 
     @property
-    def writable(self):
+    def writable(self) -> bool:
         return self._writable
 
-    def _check(self, read=False, write=False):
+    def _check(self, read: bool = False, write: bool = False) -> socket.socket:
         if self._sock is None:
             raise OSError("handle is closed")
         if read and not self._readable:
@@ -190,31 +200,31 @@ class Connection:
             raise OSError("connection is read-only")
         return self._sock
 
-    def fileno(self):
+    def fileno(self) -> int:
         return self._check().fileno()
 
-    def close(self):
+    def close(self) -> None:
         if self._sock is not None:
             sock, self._sock, self._poller = self._sock, None, None
             sock.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Connection:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def send(self, obj):
+    def send(self, obj: Any) -> None:
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
         sock = self._check(write=True)
         payload, fds, flags = dumps(obj, self._tokens)
         fdpass.send_frame(sock, payload, fds, flags)
 
-    def recv(self):
+    def recv(self) -> Any:
         """Receive an object sent with send()."""
         return loads(*fdpass.recv_frame(self._check(read=True)))
 
-    def send_bytes(self, buf, offset=0, size=None):
+    def send_bytes(self, buf: ReadableBuffer, offset: int = 0, size: int | None = None) -> None:
         """Send a bytes-like object (or the part of it at ``offset`` of ``size`` bytes)."""
         sock = self._check(write=True)
         m = memoryview(buf).cast("B")
@@ -226,7 +236,7 @@ class Connection:
             raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
         fdpass.send_frame(sock, m[offset:offset + size])
 
-    def _recv_bytes(self, maxlength=None):
+    def _recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
         payload, fds, _ = fdpass.recv_frame(self._check(read=True))
         fdpass.close_all(fds)          # raw bytes carry no fds; any that came are dropped
         if maxlength is not None and len(payload) > maxlength:
@@ -234,13 +244,13 @@ class Connection:
             raise OSError(f"bad message length: {len(payload)} > maxlength {maxlength}")
         return payload
 
-    def recv_bytes(self, maxlength=None):
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
         """Receive a message sent with send_bytes() as bytes."""
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
         return bytes(self._recv_bytes(maxlength))
 
-    def recv_bytes_into(self, buf, offset=0):
+    def recv_bytes_into(self, buf: WriteableBuffer, offset: int = 0) -> int:
         """Receive a message into a writable buffer; returns its size."""
         m = memoryview(buf).cast("B")
         if offset < 0 or offset > len(m):
@@ -252,7 +262,7 @@ class Connection:
         m[offset:offset + len(payload)] = payload
         return len(payload)
 
-    def poll(self, timeout=0.0):
+    def poll(self, timeout: float | None = 0.0) -> bool:
         """Whether there is anything to read (waiting up to ``timeout`` s; None: forever)."""
         sock = self._check(read=True)
         if self._poller is None:
@@ -267,7 +277,7 @@ class Connection:
             return bool(own.poll(ms))
 
 
-def Pipe(duplex=True):
+def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     """A pair of connected Connections over one AF_UNIX socketpair (fds can travel both ways)."""
     a, b = socketpair()
     if duplex:
@@ -277,19 +287,19 @@ def Pipe(duplex=True):
 
 # A Connection pickles as its socket: in band on a sharedmp channel, else as a DupFd
 # (while spawning it goes along with the child's fds, as multiprocessing's does).
-def reduce_connection(conn):
+def reduce_connection(conn: Connection) -> tuple[Callable[..., Connection], tuple[Any, bool, bool]]:
     oob = fdpass.current()
     if oob is not None:
         return rebuild_connection_in_band, (oob.add(conn.fileno()), conn.readable, conn.writable)
     return rebuild_connection, (DupFd(conn.fileno()), conn.readable, conn.writable)
 
 
-def rebuild_connection(dupfd, readable, writable):
+def rebuild_connection(dupfd: Any, readable: bool, writable: bool) -> Connection:  # (what DupFd() made)
     return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
 
 
-def rebuild_connection_in_band(index, readable, writable):
-    fd = os.dup(fdpass.current().get(index))
+def rebuild_connection_in_band(index: int, readable: bool, writable: bool) -> Connection:
+    fd = os.dup(fdpass.current().get(index))  # type: ignore[union-attr]  # (a sharedmp channel unpickles)
     return Connection(socket.socket(fileno=fd), readable, writable)
 
 

@@ -6,9 +6,12 @@ sharing strategy and, on Linux, dies with its parent: ``processes/pdeath.py``), 
 works wherever a ``multiprocessing`` context does (``ProcessPoolExecutor(mp_context=...)``,
 ``DataLoader(multiprocessing_context=...)``).
 """
+from __future__ import annotations
+
 import multiprocessing
 import multiprocessing.context as _std
 import multiprocessing.pool
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 from .. import cuda as _cuda
 from .. import strategy
@@ -16,8 +19,17 @@ from ..errors import ManagerError
 from ..memory import manager
 from ..processes.pdeath import DieWithParent
 
+if TYPE_CHECKING:
+    from ..processes.pdeath import ProcessBase as _ProcessBase
+    from . import queues
+    from .connection import Connection
 
-class _CarryStrategy:
+    _ContextBase = _std.BaseContext     # _Channels is mixed into the standard contexts
+else:
+    _ProcessBase = _ContextBase = object
+
+
+class _CarryStrategy(_ProcessBase):
     """Process mixin: the child starts with the parent's sharing strategy and manager daemon.
 
     The environment already carries both to spawn and fork children; a forkserver started
@@ -26,9 +38,9 @@ class _CarryStrategy:
     send it then outlive the children (a daemon with no client left would unlink them).
     """
 
-    def start(self):
+    def start(self) -> None:
         self._sharedmp_strategy = strategy.get_sharing_strategy()
-        self._sharedmp_manager = None
+        self._sharedmp_manager: str | None = None
         if self._sharedmp_strategy == "file_system":
             try:
                 self._sharedmp_manager = manager.address()
@@ -36,7 +48,7 @@ class _CarryStrategy:
                 pass                  # the child says so if it ever needs the daemon
         super().start()
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # (spawn, forkserver) The daemon first: the arguments may name segments, which the
         # child attaches while it unpickles them, before _bootstrap (a forkserver child's
         # environment is the fork server's, which may predate the daemon or name another).
@@ -44,7 +56,7 @@ class _CarryStrategy:
         path = state.get("_sharedmp_manager")
         return {"_sharedmp_adopted": _Adopt(path), **state} if path else state
 
-    def _bootstrap(self, *args, **kwargs):
+    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
         name = getattr(self, "_sharedmp_strategy", None)   # None: start() was overridden
         if name is not None:
             strategy.set_sharing_strategy(name)
@@ -55,15 +67,15 @@ class _CarryStrategy:
 class _Adopt:
     """Unpickled as ``manager.adopt(path)``, before what follows it in the same pickle."""
 
-    def __init__(self, path):
+    def __init__(self, path: str) -> None:
         self.path = path
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[str | None], None], tuple[str]]:
         return manager.adopt, (self.path,)
 
 
 class ForkProcess(DieWithParent, _CarryStrategy, _std.ForkProcess):
-    def start(self):
+    def start(self) -> None:
         _cuda.check_fork()            # a forked child of a CUDA process cannot use CUDA
         super().start()
 
@@ -81,41 +93,44 @@ class Process(DieWithParent, _CarryStrategy, _std.Process):
     ``start()``, as the standard one is), whose child starts with this process's sharing
     strategy and dies with it, as those of sharedmp's contexts do. Subclasses too."""
 
-    def start(self):
+    def start(self) -> None:
         if multiprocessing.get_start_method() == "fork":
             _cuda.check_fork()
         super().start()
 
 
-class _Channels:
+class _Channels(_ContextBase):
     """The factories that differ from the standard context's."""
 
-    def Queue(self, maxsize=0):
+    Process: ClassVar[type[multiprocessing.process.BaseProcess]]    # (each context's own)
+
+    def Queue(self, maxsize: int = 0) -> queues.Queue:  # type: ignore[override]
         """A queue whose messages carry the fds of their arrays."""
         from .queues import Queue
         return Queue(maxsize, ctx=self)
 
-    def JoinableQueue(self, maxsize=0):
+    def JoinableQueue(self, maxsize: int = 0) -> queues.JoinableQueue:  # type: ignore[override]
         """A Queue with task_done() and join()."""
         from .queues import JoinableQueue
         return JoinableQueue(maxsize, ctx=self)
 
-    def SimpleQueue(self):
+    def SimpleQueue(self) -> queues.SimpleQueue:  # type: ignore[override]
         """A synchronous queue (put() returns once the message is in the kernel)."""
         from .queues import SimpleQueue
         return SimpleQueue(ctx=self)
 
-    def Pipe(self, duplex=True):
+    def Pipe(self, duplex: bool = True) -> tuple[Connection, Connection]:  # type: ignore[override]
         """Two Connections over an AF_UNIX socketpair."""
         from .connection import Pipe
         return Pipe(duplex)
 
-    def Pool(self, processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+    def Pool(self, processes: int | None = None, initializer: Callable[..., object] | None = None,
+             initargs: Iterable[Any] = (), maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
         """multiprocessing.pool.Pool whose task and result queues are sharedmp's."""
         return multiprocessing.pool.Pool(processes, initializer, initargs, maxtasksperchild,
                                          context=self)
 
-    def get_context(self, method=None):
+    def get_context(self, method: str | None = None) -> _Channels:  # type: ignore[override]
         return self if method is None else get_context(method)
 
 
@@ -134,7 +149,7 @@ class ForkServerContext(_Channels, _std.ForkServerContext):
 _contexts = {"fork": ForkContext(), "spawn": SpawnContext(), "forkserver": ForkServerContext()}
 
 
-def get_context(method=None):
+def get_context(method: str | None = None) -> _Channels:
     """sharedmp's context for ``method`` (None: the start method multiprocessing uses now)."""
     if method is None:
         method = multiprocessing.get_start_method()
@@ -147,23 +162,24 @@ def get_context(method=None):
 
 # Module-level factories of sharedmp: the default context's, resolved at each call, so
 # that multiprocessing.set_start_method() applies to them as it does to the standard ones.
-def Queue(maxsize=0):
+def Queue(maxsize: int = 0) -> queues.Queue:
     return get_context().Queue(maxsize)
 
 
-def JoinableQueue(maxsize=0):
+def JoinableQueue(maxsize: int = 0) -> queues.JoinableQueue:
     return get_context().JoinableQueue(maxsize)
 
 
-def SimpleQueue():
+def SimpleQueue() -> queues.SimpleQueue:
     return get_context().SimpleQueue()
 
 
-def Pipe(duplex=True):
+def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     return get_context().Pipe(duplex)
 
 
-def Pool(processes=None, initializer=None, initargs=(), maxtasksperchild=None):
+def Pool(processes: int | None = None, initializer: Callable[..., object] | None = None,
+         initargs: Iterable[Any] = (), maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
     return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
 
 

@@ -7,6 +7,8 @@ as the frame (SCM_RIGHTS). While it unpickles, the rebuild functions look the
 received fds up by index. Outside a sharedmp channel there is no ``OutOfBand`` and the
 reducers fall back to multiprocessing's ``DupFd``.
 """
+from __future__ import annotations
+
 import array
 import errno
 import fcntl
@@ -16,9 +18,13 @@ import stat
 import struct
 import threading
 import time
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..errors import ProtocolError
 from ..memory import arena, segment
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 _local = threading.local()
 
@@ -28,8 +34,8 @@ class Fds(list):
 
     __slots__ = ("keep",)
 
-    def __init__(self):           # (list's own __init__ has nothing to do for an empty list)
-        self.keep = []
+    def __init__(self) -> None:           # (list's own __init__ has nothing to do for an empty list)
+        self.keep: list[object] = []
 
 
 class OutOfBand:
@@ -38,17 +44,18 @@ class OutOfBand:
 
     __slots__ = ("fds", "_index", "names")
 
-    def __init__(self, fds=None):
-        self.fds = Fds() if fds is None else fds
-        self._index = {}
-        self.names = []
+    def __init__(self, fds: list[int] | None = None) -> None:
+        # (a list given: the fds received, only looked up; an Fds is what a sender fills)
+        self.fds: Fds = Fds() if fds is None else fds  # type: ignore[assignment]
+        self._index: dict[int, int] = {}
+        self.names: list[str] = []
 
-    def keep_alive(self, owner):
+    def keep_alive(self, owner: object) -> None:
         """Keep ``owner`` (a mapping whose fd this message carries) alive as long as ``fds``:
         the caller holds ``fds`` until they are sent (or dup'ed)."""
         self.fds.keep.append(owner)
 
-    def add(self, fd):
+    def add(self, fd: int) -> int:
         """The index of ``fd`` in this message, adding it once."""
         i = self._index.get(fd)
         if i is None:
@@ -56,18 +63,18 @@ class OutOfBand:
             self.fds.append(fd)
         return i
 
-    def get(self, i):
+    def get(self, i: int) -> int:
         if not isinstance(i, int) or not 0 <= i < len(self.fds):
             raise ProtocolError(f"message refers to fd #{i!r} but carried {len(self.fds)} fds")
         return self.fds[i]
 
 
-def current():
+def current() -> OutOfBand | None:
     """The OutOfBand of the message this thread is pickling or unpickling, or None."""
     return getattr(_local, "oob", None)
 
 
-def swap(oob):
+def swap(oob: OutOfBand | None) -> OutOfBand | None:
     """Make ``oob`` current; returns the previous one, to be restored with swap(prev)."""
     prev = getattr(_local, "oob", None)
     _local.oob = oob
@@ -143,7 +150,7 @@ def _sendmsg(sock, buffers, fds, block=True):
         delay = min(2 * delay, 0.02)
 
 
-def send_frame(sock, payload, fds=(), flags=0):
+def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0) -> None:
     """Send one frame as one record (blocking while the socket is full)."""
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
@@ -153,7 +160,7 @@ def send_frame(sock, payload, fds=(), flags=0):
         # once recycled, where a memfd per message would cost a page fault per 4 KiB.
         mapping, offset = arena.allocate(length, "file_descriptor", zero=False)
         mapping[offset:offset + length] = payload          # (``mapping`` lives until sent)
-        fds = [*fds, segment.segment_of(mapping).fd]       # the payload's fd comes last
+        fds = [*fds, segment.segment_of(mapping).fd]  # type: ignore[union-attr]  # the payload's fd comes last
         payload, flags = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD
     header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if len(fds) > MAX_FDS_PER_MSG else 0),
                          nfds, length)
@@ -167,7 +174,7 @@ def send_frame(sock, payload, fds=(), flags=0):
         os.close(side)
 
 
-def try_send_frame(sock, payload, fds=(), flags=0):
+def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), flags: int = 0) -> bool:
     """Send one frame now if it is one plain record and the socket takes it at once; False
     (nothing sent) if it would wait or fail: then ``send_frame`` it, which waits or raises."""
     if len(payload) > RECORD - HEADER.size or len(fds) > MAX_FDS_PER_MSG:
@@ -196,7 +203,7 @@ def _fds_socket(fds):
         r.close()
 
 
-def close_all(fds):
+def close_all(fds: Iterable[int]) -> None:
     for fd in fds:
         try:
             os.close(fd)
@@ -214,10 +221,10 @@ def _take_fds(ancdata, msg_flags, fds):
                             "receiver's fd limit is too low (raise it with `ulimit -n`)")
 
 
-def recv_frame(sock, block=True):
+def recv_frame(sock: socket.socket, block: bool = True) -> tuple[bytes | bytearray, list[int], int]:
     """Receive one frame: (payload, fds, kind). EOFError on a clean end of stream;
     BlockingIOError if ``block`` is false and no frame is there."""
-    fds = []
+    fds: list[int] = []
     try:
         data, ancdata, msg_flags, _ = sock.recvmsg(RECORD, _CMSG_SPACE, _CLOEXEC if block else
                                                    _CLOEXEC | _DONTWAIT)

@@ -14,6 +14,8 @@ Adapted from CPython's multiprocessing/queues.py; changed:
   as in multiprocessing, so that one process can put many items before it gets any; the
   fds of those are dup'ed until sent (one dup per open file for all the messages waiting).
 """
+from __future__ import annotations
+
 import collections
 import os
 import threading
@@ -22,6 +24,7 @@ import weakref
 from multiprocessing import context as _mpcontext
 from multiprocessing.util import Finalize, debug
 from queue import Empty, Full
+from typing import TYPE_CHECKING, Any
 
 try:
     from _multiprocessing import SemLock as _SemLock
@@ -32,16 +35,23 @@ except ImportError:  # pragma: no cover
 from . import fdpass
 from .connection import Pipe, dumps, loads
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+    from multiprocessing.context import BaseContext
+    from multiprocessing.synchronize import BoundedSemaphore, Lock
+
+    from .connection import Connection
+
 _SENTINEL = object()
 
 # The Queues created here. A forked child resets them -- after os.fork() too, not only in
 # multiprocessing's children: the feeder thread, its lock and the fds it holds for unsent
 # messages belong to the parent.
-_queues = weakref.WeakSet()
+_queues: weakref.WeakSet[Queue] = weakref.WeakSet()
 _pid = os.getpid()            # (os.getpid() is a system call: put() asks for every message)
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     global _pid
     _pid = os.getpid()
     for q in list(_queues):
@@ -59,15 +69,15 @@ class _Held:
     ``ulimit -n`` of 1024). Files are told apart by (st_dev, st_ino), which a dup shares.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held = {}           # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
+        self._held: dict[tuple[int, int], list[Any]] = {}   # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
 
-    def take(self, fds):
+    def take(self, fds: list[int]) -> list[list[Any]]:
         """Entries that keep ``fds`` open until released; their fds are ``entry[0]``."""
         if not fds:
             return []
-        taken = []
+        taken: list[list[Any]] = []
         with self._lock:
             try:
                 for fd in fds:
@@ -83,18 +93,18 @@ class _Held:
                 raise
         return taken
 
-    def release(self, taken):
+    def release(self, taken: list[list[Any]]) -> None:
         with self._lock:
             self._drop(taken)
 
-    def _drop(self, taken):
+    def _drop(self, taken: list[list[Any]]) -> None:
         for entry in taken:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._held[entry[2]]
                 os.close(entry[0])
 
-    def close_all(self):
+    def close_all(self) -> None:
         """(after fork, in the child: no other thread) close every dup inherited."""
         fdpass.close_all([entry[0] for entry in self._held.values()])
         self._held.clear()
@@ -103,30 +113,30 @@ class _Held:
 class SimpleQueue:
     """A queue with put/get/empty/close and no buffering thread: put() is synchronous."""
 
-    def __init__(self, *, ctx):
+    def __init__(self, *, ctx: BaseContext) -> None:
         self._reader, self._writer = Pipe(duplex=False)
         # Not used here (a record is read whole), but multiprocessing.pool takes it while
         # it drains the queue at shutdown.
         self._rlock = ctx.Lock()
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Connection, Connection, Lock]:
         _mpcontext.assert_spawning(self)
         return self._reader, self._writer, self._rlock
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple[Connection, Connection, Lock]) -> None:
         self._reader, self._writer, self._rlock = state
 
-    def close(self):
+    def close(self) -> None:
         self._reader.close()
         self._writer.close()
 
-    def empty(self):
+    def empty(self) -> bool:
         return not self._reader.poll()
 
-    def get(self):
+    def get(self) -> Any:
         return loads(*fdpass.recv_frame(self._reader._check(read=True)))
 
-    def put(self, obj):
+    def put(self, obj: Any) -> None:
         payload, fds, flags = dumps(obj, self._writer._tokens)
         fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
 
@@ -134,7 +144,7 @@ class SimpleQueue:
 class Queue:
     """multiprocessing.Queue's semantics; arrays travel as shared memory with their fds."""
 
-    def __init__(self, maxsize=0, *, ctx):
+    def __init__(self, maxsize: int = 0, *, ctx: BaseContext) -> None:
         if maxsize <= 0:
             maxsize = SEM_VALUE_MAX
         self._maxsize = maxsize
@@ -145,35 +155,35 @@ class Queue:
         self._reset()
         _queues.add(self)
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Any, ...]:
         _mpcontext.assert_spawning(self)
         return (self._ignore_epipe, self._maxsize, self._reader, self._writer,
                 self._sem, self._creator)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self._ignore_epipe, self._maxsize, self._reader, self._writer,
          self._sem, self._creator) = state
         self._reset()
 
-    def _after_fork(self):
+    def _after_fork(self) -> None:
         debug("Queue._after_fork()")
         held = getattr(self, "_held", None)
         self._reset()
         if held is not None:               # the parent's unsent messages are not ours to send
             held.close_all()
 
-    def _reset(self):
+    def _reset(self) -> None:
         self._notempty = threading.Condition(threading.Lock())
-        self._buffer = collections.deque()
+        self._buffer: collections.deque[Any] = collections.deque()
         self._held = _Held()
-        self._thread = None
-        self._jointhread = None
+        self._thread: threading.Thread | None = None
+        self._jointhread: Finalize[Any] | None = None
         self._joincancelled = False
         self._closed = False
-        self._close = None
+        self._close: Finalize[Any] | None = None
 
     # -- put -------------------------------------------------------------------------
-    def put(self, obj, block=True, timeout=None):
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         if not self._sem.acquire(block, timeout):
@@ -186,10 +196,10 @@ class Queue:
         self._count_task()
         self._send(payload, fds, flags)
 
-    def _count_task(self):
+    def _count_task(self) -> None:
         pass
 
-    def _send(self, payload, fds, flags):
+    def _send(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> None:
         if _pid != self._creator:
             fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
             return
@@ -208,11 +218,11 @@ class Queue:
             self._buffer.append((payload, held, flags, fds.keep))
             self._notempty.notify()
 
-    def put_nowait(self, obj):
+    def put_nowait(self, obj: Any) -> None:
         return self.put(obj, False)
 
     # -- get -------------------------------------------------------------------------
-    def get(self, block=True, timeout=None):
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
         sock = self._reader._check(read=True)
@@ -231,21 +241,21 @@ class Queue:
         self._sem.release()
         return loads(*frame)
 
-    def get_nowait(self):
+    def get_nowait(self) -> Any:
         return self.get(False)
 
-    def qsize(self):
+    def qsize(self) -> int:
         # Raises NotImplementedError on macOS, as multiprocessing's does (no sem_getvalue).
-        return self._maxsize - self._sem._semlock._get_value()
+        return self._maxsize - self._sem._semlock._get_value()  # type: ignore[attr-defined, no-any-return]
 
-    def empty(self):
+    def empty(self) -> bool:
         return not self._reader.poll()
 
-    def full(self):
-        return self._sem._semlock._is_zero()
+    def full(self) -> bool:
+        return self._sem._semlock._is_zero()  # type: ignore[attr-defined, no-any-return]
 
     # -- closing ---------------------------------------------------------------------
-    def close(self):
+    def close(self) -> None:
         self._closed = True
         close = self._close
         if close:
@@ -254,21 +264,21 @@ class Queue:
         elif self._thread is None:
             self._reader.close()
 
-    def join_thread(self):
+    def join_thread(self) -> None:
         debug("Queue.join_thread()")
         assert self._closed, f"Queue {self!r} not closed"
         if self._jointhread:
             self._jointhread()
 
-    def cancel_join_thread(self):
+    def cancel_join_thread(self) -> None:
         debug("Queue.cancel_join_thread()")
         self._joincancelled = True
         try:
-            self._jointhread.cancel()
+            self._jointhread.cancel()  # type: ignore[union-attr]  # (None: AttributeError)
         except AttributeError:
             pass
 
-    def _start_thread(self):
+    def _start_thread(self) -> None:
         self._thread = threading.Thread(
             target=Queue._feed, name="QueueFeederThread", daemon=True,
             args=(self._buffer, self._notempty, self._reader, self._writer,
@@ -281,19 +291,20 @@ class Queue:
                                [self._buffer, self._notempty], exitpriority=10)
 
     @staticmethod
-    def _finalize_join(twr):
+    def _finalize_join(twr: weakref.ref[threading.Thread]) -> None:
         thread = twr()
         if thread is not None:
             thread.join()
 
     @staticmethod
-    def _finalize_close(buffer, notempty):
+    def _finalize_close(buffer: collections.deque[Any], notempty: threading.Condition) -> None:
         with notempty:
             buffer.append(_SENTINEL)
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer, notempty, reader, writer, ignore_epipe, sem, held):
+    def _feed(buffer: collections.deque[Any], notempty: threading.Condition, reader: Connection,
+              writer: Connection, ignore_epipe: bool, sem: BoundedSemaphore, held: _Held) -> None:
         while True:
             with notempty:
                 while not buffer:
@@ -323,30 +334,30 @@ class Queue:
 class JoinableQueue(Queue):
     """A Queue with task_done() and join()."""
 
-    def __init__(self, maxsize=0, *, ctx):
+    def __init__(self, maxsize: int = 0, *, ctx: BaseContext) -> None:
         super().__init__(maxsize, ctx=ctx)
         self._unfinished_tasks = ctx.Semaphore(0)
         self._cond = ctx.Condition()
 
-    def __getstate__(self):
+    def __getstate__(self) -> tuple[Any, ...]:
         return super().__getstate__() + (self._cond, self._unfinished_tasks)
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         super().__setstate__(state[:-2])
         self._cond, self._unfinished_tasks = state[-2:]
 
-    def _count_task(self):
+    def _count_task(self) -> None:
         with self._cond:        # counted before any consumer can see it
             self._unfinished_tasks.release()
 
-    def task_done(self):
+    def task_done(self) -> None:
         with self._cond:
             if not self._unfinished_tasks.acquire(False):
                 raise ValueError("task_done() called too many times")
-            if self._unfinished_tasks._semlock._is_zero():
+            if self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
                 self._cond.notify_all()
 
-    def join(self):
+    def join(self) -> None:
         with self._cond:
-            if not self._unfinished_tasks._semlock._is_zero():
+            if not self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
                 self._cond.wait()

@@ -24,7 +24,8 @@ COMMANDS = {
 
 
 # A module a command needs -> the extra that installs it.
-EXTRAS = {"torch": "demo", "tqdm": "demo", "sklearn": "demo", "matplotlib": "bench"}
+# (tqdm is the demo's too, but it does without: plain progress lines.)
+EXTRAS = {"torch": "demo", "sklearn": "demo", "matplotlib": "bench"}
 
 
 def dist_version(name):

@@ -883,13 +883,16 @@ def add_parser(subparsers):
     p.add_argument("--scale", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rounds", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--systems", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--workloads", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--systems", metavar="S1,S2", default=None,
+                   help="run only these systems, comma-separated (e.g. sharedmp,torch_fd)")
+    p.add_argument("--workloads", metavar="W1,W2", default=None,
+                   help="run only these workloads, comma-separated (e.g. W2,W3)")
     p.add_argument("--isolation", choices=["workload", "system"], default=None, help=argparse.SUPPRESS)
     return p
 
 
 def run(args):
+    from . import bench_cuda
     from .bench_report import format_footer, format_header, format_table, plot
 
     if args.plot:                      # fail before minutes of measuring, not after
@@ -905,6 +908,13 @@ def run(args):
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 1 if scale < 1 else 5)
     systems = set(args.systems.split(",")) if args.systems else None
     workloads = set(args.workloads.split(",")) if args.workloads else None
+    for flag, given, known in (("--systems", systems, [s for s, _ in SYSTEMS]),
+                               ("--workloads", workloads, [w["id"] for w in WORKLOADS] + [c[0] for c in bench_cuda.WORKLOADS])):
+        unknown = sorted(given - set(known)) if given else []
+        if unknown:
+            print(f"error: {flag}: unknown {', '.join(unknown)}; choose from {','.join(known)}",
+                  file=sys.stderr)
+            return 2
     report = bench(scale, max(1, rounds), args.quick, timeout=args.timeout, systems=systems,
                    workloads=workloads, isolation=args.isolation)
     print(format_header(report))
@@ -912,7 +922,6 @@ def run(args):
     print(format_table(report))
     # ---- CUDA rows (cli/bench_cuda.py): sharedmp vs torch on a GPU; skipped without one ----
     if workloads is None or any(w.startswith("C") for w in workloads):
-        from . import bench_cuda
         report["cuda"] = bench_cuda.run(args.quick)
         print()
         print(bench_cuda.format_rows(report["cuda"]))

@@ -157,7 +157,8 @@ def run(args):
     cores = len(os.sched_getaffinity(0))
     _row("dataset", data.describe())
     _row("model", training.describe_model(factory()))
-    _row("workers", f"{args.workers} processes (spawn), 1 intra-op thread each; this machine has "
+    _row("workers", f"{args.workers} process{'es' * (args.workers > 1)} (spawn), "
+                    "1 intra-op thread each; this machine has "
                     f"{cores} core{'s' * (cores > 1)}")
     lr = training.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
     shared = "parameters and Adam's moments and step shared" if args.optimizer == "adam" \

@@ -531,7 +531,9 @@ def format_summary(rep):
 
 def add_parser(subparsers):
     from . import COMMANDS
-    p = subparsers.add_parser("stress", help=COMMANDS["stress"], description=__doc__.split("\n")[0])
+    p = subparsers.add_parser("stress", help=COMMANDS["stress"], description=(
+        COMMANDS["stress"] + ". Rounds alternate the sharing strategies and start methods; "
+        "exit status 1 if any message was lost or corrupted or anything was left behind."))
     p.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one, printed)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON to FILE")

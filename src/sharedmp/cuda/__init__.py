@@ -36,7 +36,7 @@ def _driver_initialised():
     return lib.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
-def cuda_initialized():
+def cuda_initialized() -> str | None:
     """Who initialised CUDA in this process ("torch", "cupy", "the CUDA driver"), or None."""
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -51,7 +51,7 @@ def cuda_initialized():
     return None
 
 
-def check_fork():
+def check_fork() -> None:
     """Raise RuntimeError, before forking, if CUDA is initialised in this process."""
     who = cuda_initialized()
     if who is not None:

@@ -26,7 +26,7 @@ try:
     from cuda.bindings import driver as _cu
 except ImportError as e:          # the `cuda` extra is not installed
     _cu = None
-    IMPORT_ERROR = e
+    IMPORT_ERROR: ImportError | None = e
 else:
     IMPORT_ERROR = None
 

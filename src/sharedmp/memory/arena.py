@@ -15,13 +15,19 @@ The current arena is a cache too: once nothing has been carved from it for
 ``cache.idle()`` seconds the allocator keeps only a weak reference to it, so it goes with
 its last array (and is carved further if one still lives when the next array is made).
 """
+from __future__ import annotations
+
 import os
 import sys
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from . import cache, segment
+
+if TYPE_CHECKING:
+    from .segment import SegmentMapping
 
 ARENA_SIZE = 4 << 20
 SMALL_LIMIT = 1 << 20      # arrays below this go to an arena
@@ -43,12 +49,12 @@ class _Arena:
         self.seen, self.since = 0, time.monotonic()    # ``used`` as the cache last saw it, and when
 
 
-_current = {}              # strategy -> its current _Arena
-_idle = {}                 # strategy -> its last _Arena let go by the cache (mapping None)
+_current: dict[str, _Arena] = {}              # strategy -> its current _Arena
+_idle: dict[str, _Arena] = {}                 # strategy -> its last _Arena let go by the cache (mapping None)
 _lock = threading.Lock()
 
 
-def allocate(nbytes, kind, zero=True):
+def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping, int]:
     """Shared memory no one else uses: (mapping, offset) with ``nbytes`` bytes at offset.
 
     Zeroed, unless ``zero`` is false (the caller overwrites every byte): then recycled

@@ -21,10 +21,13 @@ What the process holds is published in a small memfd named ``stats.sharedmp`` (a
 JSON, rewritten when it changes) that ``python -m sharedmp doctor`` reads through
 ``/proc/<pid>/fd``: it dies with the process, so nothing is ever left behind.
 """
+from __future__ import annotations
+
 import json
 import os
 import threading
 import time
+from typing import Any, Callable, Optional
 
 ENV = "SHAREDMP_CACHE_IDLE"
 DEFAULT_IDLE = 1.0
@@ -32,17 +35,20 @@ TICK = 0.25
 STATS_NAME = "stats.sharedmp"     # (not "sharedmp...": leak checks look for those)
 STATS_SIZE = 4096
 
-_caches = []                  # [(order, name, expire, held)], sorted by order
+# expire(cutoff) -> whether the thread is still needed; held() -> (bytes, fds)
+Expire = Callable[[Optional[float]], bool]
+Held = Callable[[], tuple[int, int]]
+_caches: list[tuple[int, str, Expire, Held]] = []   # [(order, name, expire, held)], sorted by order
 _lock = threading.Lock()
 _pass_lock = threading.Lock()     # one pass at a time: empty() waits for the thread's to end
-_thread = None
+_thread: threading.Thread | None = None
 _wanted = False               # start() was called since the thread last looked
-_idle = None
+_idle: float | None = None
 _stats_fd = -1
-_stats_last = None
+_stats_last: bytes | None = None
 
 
-def idle():
+def idle() -> float:
     """Seconds an unused cache entry is kept ($SHAREDMP_CACHE_IDLE, read once)."""
     global _idle
     if _idle is None:
@@ -56,7 +62,7 @@ def idle():
     return _idle
 
 
-def register(order, name, expire, held):
+def register(order: int, name: str, expire: Expire, held: Held) -> None:
     """Add a cache. ``expire(cutoff)`` lets go of what was last used before the monotonic
     time ``cutoff`` (everything when ``cutoff`` is None) and returns whether the thread is
     still needed; ``held()`` is (bytes, fds) of what the cache keeps now."""
@@ -64,7 +70,7 @@ def register(order, name, expire, held):
     _caches.sort(key=lambda c: c[0])
 
 
-def start():
+def start() -> None:
     """Make sure the thread runs (called whenever a segment is mapped: cheap when it does)."""
     global _thread, _wanted
     if _wanted and _thread is not None:
@@ -77,7 +83,7 @@ def start():
             _thread.start()
 
 
-def _run():
+def _run() -> None:
     global _thread, _wanted
     while True:
         time.sleep(TICK)
@@ -92,7 +98,7 @@ def _run():
                     return
 
 
-def expire(cutoff):
+def expire(cutoff: float | None) -> bool:
     """One pass over the caches; whether any still needs the thread."""
     needed = False
     with _pass_lock:
@@ -104,18 +110,18 @@ def expire(cutoff):
     return needed
 
 
-def empty():
+def empty() -> None:
     """Let every cached segment of this process go now (``mp.empty_cache()``)."""
     expire(None)
     _publish()
 
 
-def held():
+def held() -> dict[str, tuple[int, int]]:
     """{name: (bytes, fds)} of each cache (and of "mapped": everything this process maps)."""
     return {name: fn() for _, name, _, fn in list(_caches)}
 
 
-def stats():
+def stats() -> dict[str, Any]:
     """What this process holds, as published for doctor."""
     parts = held()
     mapped = parts.pop("mapped", (0, 0))
@@ -123,7 +129,7 @@ def stats():
             "cache": {name: list(v) for name, v in parts.items()}, "idle_s": idle()}
 
 
-def _publish():
+def _publish() -> None:
     global _stats_fd, _stats_last
     try:
         data = json.dumps(stats(), separators=(",", ":")).encode()
@@ -139,7 +145,7 @@ def _publish():
         pass
 
 
-def read_stats(pid):
+def read_stats(pid: int) -> Any:
     """The stats another process (of this user) published, or None (for doctor)."""
     base = f"/proc/{pid}/fd"
     try:
@@ -162,7 +168,7 @@ def read_stats(pid):
     return None
 
 
-def _after_fork_in_child():
+def _after_fork_in_child() -> None:
     # The thread stays in the parent; the stats memfd describes the parent.
     global _lock, _pass_lock, _thread, _wanted, _stats_fd, _stats_last
     _lock, _pass_lock = threading.Lock(), threading.Lock()

@@ -38,8 +38,12 @@ import sys
 import tempfile
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 from ..errors import ManagerError
+
+if TYPE_CHECKING:
+    from ..channels.fdpass import Fds
 
 ENV = "SHAREDMP_MANAGER"
 HELLO_TIMEOUT = 10.0
@@ -47,10 +51,10 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "daemon.py")
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)   # EPIPE as an exception even if SIGPIPE is default
 
 _lock = threading.Lock()        # held while connecting and while sending
-_pending = collections.deque()  # encoded records not sent yet
+_pending: "collections.deque[tuple[bytes, int]]" = collections.deque()  # encoded records not sent yet
 _sock = None                    # the connection, once made
 _dead = None                    # why this process can no longer use its daemon
-_daemon = None                  # (pid, socket path) of the daemon we talk to
+_daemon: "tuple[int, str] | None" = None  # (pid, socket path) of the daemon we talk to
 _popen = None                   # the daemon, if this process started it
 _generation = 0                 # counts connections made: a token belongs to one of them
 _MAX_FDS = 250                  # fds passed in one sendmsg (SCM_MAX_FD is 253)
@@ -155,7 +159,7 @@ def _connect():
     _generation += 1
 
 
-def ensure():
+def ensure() -> None:
     """Connect to this program's daemon (starting one if needed); ManagerError if it is gone."""
     if _sock is None:
         with _lock:
@@ -219,31 +223,31 @@ def _send_pending():
             _sock.sendall(data, _NOSIGNAL)
 
 
-def created(path):
+def created(path: str) -> None:
     ensure()
     _post(b"C", path)
 
 
-def forget(path):
+def forget(path: str) -> None:
     _post(b"F", path)
 
 
-def sent(path):
+def sent(path: str) -> None:
     ensure()
     _post(b"S", path)
 
 
-def received(path):
+def received(path: str) -> None:
     ensure()
     _post(b"R", path)
 
 
-def holds(path):
+def holds(path: str) -> None:
     ensure()
     _post(b"H", path)
 
 
-def dropped(path):
+def dropped(path: str) -> None:
     """From a finalizer: never blocks on the lock, never raises."""
     if _sock is not None:
         _post(b"D", path, wait=False)
@@ -269,10 +273,10 @@ class Tokens:
 
     __slots__ = ("_last",)
 
-    def __init__(self):
-        self._last = None            # weakref to the _Token of the last message
+    def __init__(self) -> None:
+        self._last: "weakref.ref[_Token] | None" = None            # weakref to the _Token of the last message
 
-    def carry(self, paths, fds):
+    def carry(self, paths: list[str], fds: "Fds") -> None:
         """Count one reference in flight for each of ``paths``, held by the token that this
         message carries: its fd is appended to ``fds`` (and the token kept with it)."""
         ensure()
@@ -296,13 +300,13 @@ class Tokens:
         fds.keep.append(token)
 
 
-def address():
+def address() -> str:
     """The socket path of this program's daemon, started if needed (for children to inherit)."""
     ensure()
-    return _daemon[1]
+    return _daemon[1]  # type: ignore[index]  # (ensure() set it or raised)
 
 
-def adopt(path):
+def adopt(path: str | None) -> None:
     """(in a child) Use the daemon at ``path`` unless this process already talks to one."""
     if _sock is None and path:
         os.environ[ENV] = path
@@ -375,7 +379,7 @@ def remove_stale(path):
             pass
 
 
-def after_fork_in_child(held_paths):
+def after_fork_in_child(held_paths: list[str]) -> None:
     """(called by segment's fork hook) A fresh connection of our own for what we inherited.
 
     The inherited socket is the parent's identity: the child closes its copy and, if the

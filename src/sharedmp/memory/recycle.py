@@ -34,8 +34,12 @@ import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 from . import cache
+
+if TYPE_CHECKING:
+    import mmap
 
 ENV = "SHAREDMP_RECYCLE_BYTES"
 DEFAULT_LIMIT = 256 << 20
@@ -43,7 +47,7 @@ MAX_ENTRIES = 16
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _lock = threading.RLock()       # an RLock: give() runs in finalizers, which may run inside take()
-_entries = collections.deque()  # [size, mapping, private fd, unused since], oldest first
+_entries: "collections.deque[list[Any]]" = collections.deque()  # [size, mapping, private fd, unused since], oldest first
 _total = 0
 _limit = None
 
@@ -100,7 +104,7 @@ def give(size, mapping, private, since=None, available=None):
             _drop(_entries.popleft())
 
 
-def take(size):
+def take(size: int) -> "tuple[mmap.mmap, int] | None":
     """(mapping, private fd) of a kept segment of ``size`` bytes that no other process holds, or None."""
     with _lock:
         for entry in _entries:

@@ -25,6 +25,8 @@ a reader; a receiver checks the seals and the size before it builds a view.
 
 All platform branches of sharedmp's memory live in this module.
 """
+from __future__ import annotations
+
 import bisect
 import collections
 import errno
@@ -38,6 +40,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
@@ -54,8 +57,16 @@ NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
 
-def shm_dir():
+    from numpy.typing import NDArray
+
+    # What arrays view: the mmap of a segment, or the uint8 lease over one this process made.
+    SegmentMapping: TypeAlias = Union[mmap.mmap, NDArray[np.uint8]]
+
+
+def shm_dir() -> str:
     """Where named segments live: $SHAREDMP_SHM_DIR, else /dev/shm."""
     return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
 
@@ -66,7 +77,9 @@ class Segment:
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
                  "recycle", "dirty", "hot", "idle_since", "__weakref__")
 
-    def __init__(self, kind, key, size, fd, name, mm, owner, path=None, recycle=None):
+    def __init__(self, kind: str, key: Any, size: int, fd: int, name: str | None, mm: SegmentMapping,
+                 owner: bool, path: str | None = None,
+                 recycle: tuple[mmap.mmap, int] | None = None) -> None:
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
@@ -81,19 +94,19 @@ class Segment:
         self.hot = False          # attached again since the cache last looked (``_recent``)
         self.idle_since = None    # unused since then (a cached arena let go): the pool's clock
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
 
 
 # id(mapping) -> Segment, and key -> Segment, for the live mappings of this process.
-_by_mapping = {}
-_by_key = {}
+_by_mapping: dict[int, Segment] = {}
+_by_key: dict[Any, Segment] = {}
 _lock = threading.Lock()
 # Start address -> Segment, and the sorted start addresses: which mapping holds an address
 # (torch storages know only their data pointer). An address freed by munmap may be mapped
 # again before the old mapping's finalizer runs: an entry is removed only by its own segment.
-_by_address = {}
-_addresses = []
+_by_address: dict[int, Segment] = {}
+_addresses: list[int] = []
 
 # A receiver keeps the few small segments (arenas) it attached last mapped, even with no
 # view left: a stream of small arrays, each dropped after use, would otherwise map and
@@ -101,7 +114,7 @@ _addresses = []
 # once no message has used them for ``cache.idle()`` seconds.
 KEEP_RECENT = 4
 KEEP_RECENT_MAX_SIZE = 4 << 20
-_recent = collections.deque(maxlen=KEEP_RECENT)     # [mapping, Segment, monotonic time]
+_recent: collections.deque[list[Any]] = collections.deque(maxlen=KEEP_RECENT)     # [mapping, Segment, monotonic time]
 
 
 def _keep_recent(mm, seg):
@@ -146,7 +159,7 @@ def _held_mapped():
 _FDS_PER_MAPPING = 1 if sys.version_info < (3, 13) else 0
 
 
-def held_by(segments):
+def held_by(segments: list[Segment]) -> tuple[int, int]:
     """(bytes, fds) that these mapped segments hold in this process."""
     return (sum(s.size for s in segments),
             sum((s.fd >= 0) + (s.recycle is not None) + _FDS_PER_MAPPING for s in segments))
@@ -197,7 +210,7 @@ def _release(seg, mapping_id):
         manager.dropped(seg.path)     # the daemon unlinks once no one holds it
 
 
-def segment_of(mm):
+def segment_of(mm: object) -> Segment | None:
     """The Segment behind a mapping object, or None if it is not one of ours."""
     seg = _by_mapping.get(id(mm))
     return seg if seg is not None and seg.mapping() is mm else None
@@ -206,7 +219,7 @@ def segment_of(mm):
 _last_found = None                # the Segment containing() found last (a hint: checked each time)
 
 
-def containing(address, nbytes=1):
+def containing(address: int, nbytes: int = 1) -> tuple[Segment, SegmentMapping] | tuple[None, None]:
     """(Segment, mapping) of the live mapping of this process that holds the ``nbytes``
     bytes at ``address``, or (None, None). For memory known only by its address (a torch
     storage's data pointer); the offset within the segment is ``address - seg.address``."""
@@ -230,7 +243,7 @@ def containing(address, nbytes=1):
     return seg, mm
 
 
-def live_segments():
+def live_segments() -> list[Segment]:
     """The segments this process maps now (for diagnostics and tests)."""
     with _lock:
         return list(_by_key.values())
@@ -332,7 +345,7 @@ def format_size(n):
         n /= 1024
 
 
-def create(size, kind, zero=True):
+def create(size: int, kind: str, zero: bool = True) -> tuple[Segment, SegmentMapping]:
     """A segment of ``size`` bytes, mapped here; returns (segment, mapping).
 
     Its memory is zero unless ``zero`` is false and it is recycled."""
@@ -465,7 +478,7 @@ def sealed(fd, seals):
         return False
 
 
-def attach_fd(fd):
+def attach_fd(fd: int) -> SegmentMapping:
     """The mapping of the memfd ``fd`` (borrowed: the caller still closes it), mapped once per process."""
     try:
         st = os.fstat(fd)
@@ -475,7 +488,7 @@ def attach_fd(fd):
     seg = _by_key.get(key)        # (one dict read needs no lock: this runs for every array received)
     mm = seg.mapping() if seg is not None else None
     if mm is not None:
-        seg.hot = True
+        seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         return mm
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular file)")
@@ -503,7 +516,7 @@ def attach_fd(fd):
     return mm
 
 
-def attach_name(name, consume=True):
+def attach_name(name: str, consume: bool = True) -> SegmentMapping:
     """The mapping of the named segment ``name``, mapped once per process.
 
     ``consume``: a reference in flight counted at the daemon ends here (a message of a
@@ -514,9 +527,9 @@ def attach_name(name, consume=True):
         seg = _by_key.get(name)
         mm = seg.mapping() if seg is not None else None
     if mm is not None:
-        seg.hot = True
+        seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         if consume:
-            manager.received(seg.path)     # this message's reference in flight is consumed
+            manager.received(seg.path)  # type: ignore[union-attr, arg-type]  # this message's reference in flight is consumed
         return mm
     manager.ensure()
     path = os.path.join(shm_dir(), name)

@@ -32,6 +32,16 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import multiprocessing.process
+
+    class ProcessBase(multiprocessing.process.BaseProcess):
+        """What the mixins of Process classes (here, channels/context.py) use of them."""
+        def _bootstrap(self, parent_sentinel: int | None = None) -> int: ...
+else:
+    ProcessBase = object
 
 ENV = "SHAREDMP_KEEP_ORPHANS"
 HAVE_PDEATHSIG = sys.platform.startswith("linux")
@@ -52,14 +62,14 @@ def keep_orphans():
                      "outlive their parent, or to 0 (or unset it) for children that die with it")
 
 
-class DieWithParent:
+class DieWithParent(ProcessBase):
     """Process mixin: on Linux the child is killed when the process that started it dies."""
 
-    def start(self):
+    def start(self) -> None:
         # What the child checks: (pid of the starting process, started via the fork server).
         self._sharedmp_parent = None
         if HAVE_PDEATHSIG and not keep_orphans():
-            method = self._start_method or multiprocessing.get_start_method()  # (None: default's)
+            method = self._start_method or multiprocessing.get_start_method()  # type: ignore[attr-defined]  # (None: default's)
             via_forkserver = method == "forkserver"
             self._sharedmp_parent = (os.getpid(), via_forkserver)
             # (a forkserver child's OS parent is the fork server's thread, not ours)
@@ -67,7 +77,7 @@ class DieWithParent:
                 return _start_on_lasting_thread(super().start)
         return super().start()
 
-    def _bootstrap(self, *args, **kwargs):
+    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
         parent = getattr(self, "_sharedmp_parent", None)   # None: off, or start() was overridden
         if parent is not None:
             arm(*parent)

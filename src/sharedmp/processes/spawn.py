@@ -14,6 +14,8 @@ children are started in parallel, and stopping the others after a failure logs a
 for each one that gets SIGTERM or SIGKILL, under torch's logger name
 (``torch.multiprocessing.spawn``), so that logging set up for torch applies unchanged.
 """
+from __future__ import annotations
+
 import logging
 import multiprocessing.connection
 import operator
@@ -22,9 +24,14 @@ import signal
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, overload
 
 from ..channels.context import get_context
 from ..errors import ProcessExitedException, ProcessRaisedException
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
 
 _TERM_WAIT = 30          # seconds between SIGTERM and SIGKILL when no grace_period is given
 ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"      # torch's name and variable
@@ -36,7 +43,7 @@ log = logging.getLogger("torch.multiprocessing.spawn")       # (creating it impo
 _TRACE_HEAD, _TRACE_TAIL = 4096, 28672
 
 
-def _wrap(fn, i, args, error_conn):
+def _wrap(fn: Callable[..., object], i: int, args: tuple[Any, ...], error_conn: Connection) -> None:
     """(in the child) fn(i, *args); an exception's traceback goes to ``error_conn``."""
     try:
         fn(i, *args)
@@ -60,17 +67,17 @@ def _wrap(fn, i, args, error_conn):
 class ProcessContext:
     """The children of one start_processes() call: ``join()`` them, ``pids()``."""
 
-    def __init__(self, processes, error_pipes):
+    def __init__(self, processes: list[BaseProcess], error_pipes: list[Connection]) -> None:
         self.processes = processes
         self.error_pipes = error_pipes      # the read ends: a failing child's traceback
         self.sentinels = {p.sentinel: i for i, p in enumerate(processes)}
-        self._failure = None
+        self._failure: ProcessRaisedException | ProcessExitedException | None = None
 
-    def pids(self):
+    def pids(self) -> list[int]:
         """The children's pids, by index."""
-        return [int(p.pid) for p in self.processes]
+        return [int(p.pid) for p in self.processes]  # type: ignore[arg-type]  # (started: never None)
 
-    def join(self, timeout=None, grace_period=None):
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait up to ``timeout`` s (None: until a child ends); True once every child ended well.
 
         If a child failed, the others get ``grace_period`` s to end by themselves (None:
@@ -82,9 +89,9 @@ class ProcessContext:
             raise self._failure
         if not self.sentinels:
             return True
-        ready = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
+        ready: list[Any] = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)   # (sentinels: ints)
         failed = None
-        for sentinel in sorted(ready, key=self.sentinels.get):   # report the lowest failing index
+        for sentinel in sorted(ready, key=self.sentinels.get):  # type: ignore[arg-type]  # report the lowest failing index
             index = self.sentinels.pop(sentinel)
             process = self.processes[index]
             process.join()
@@ -99,7 +106,7 @@ class ProcessContext:
         self._done()
         raise self._failure
 
-    def _stop_all(self, grace_period):
+    def _stop_all(self, grace_period: float | None) -> None:
         if grace_period is not None:
             _join_all(self.processes, grace_period)
         for p in self.processes:
@@ -115,7 +122,7 @@ class ProcessContext:
             p.join()
         self.sentinels.clear()
 
-    def _exception(self, i):
+    def _exception(self, i: int) -> ProcessRaisedException | ProcessExitedException:
         pid = self.processes[i].pid
         trace = None
         try:
@@ -126,7 +133,7 @@ class ProcessContext:
         if trace is not None:
             return ProcessRaisedException(
                 f"\n\n-- Process {i:d} terminated with the following error:\n{trace}", i, pid)
-        code = self.processes[i].exitcode
+        code: int = self.processes[i].exitcode  # type: ignore[assignment]  # (joined: not None)
         if code >= 0:
             return ProcessExitedException(f"process {i:d} terminated with exit code {code:d}",
                                           i, pid, exit_code=code)
@@ -139,12 +146,20 @@ class ProcessContext:
         return ProcessExitedException(f"process {i:d} terminated with signal {name}{hint}",
                                       i, pid, exit_code=code, signal_name=name)
 
-    def _done(self):
+    def _done(self) -> None:
         for conn in self.error_pipes:
             conn.close()
 
 
-def _join_all(processes, timeout):
+class SpawnContext(ProcessContext):
+    """torch's old name of ProcessContext; warns as torch does."""
+
+    def __init__(self, processes: list[BaseProcess], error_pipes: list[Connection]) -> None:
+        warnings.warn("SpawnContext is renamed to ProcessContext since 1.4 release.", stacklevel=2)
+        super().__init__(processes, error_pipes)
+
+
+def _join_all(processes: list[BaseProcess], timeout: float) -> None:
     """Join every process within one shared ``timeout``."""
     import time
     end = time.monotonic() + timeout
@@ -152,7 +167,20 @@ def _join_all(processes, timeout):
         p.join(max(0.0, end - time.monotonic()))
 
 
-def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+@overload
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+                    join: Literal[True] = True, daemon: bool = False, start_method: str = "spawn") -> None: ...
+@overload
+def start_processes(fn: Callable[..., object], args: Iterable[Any], nprocs: int, join: Literal[False],
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, *,
+                    join: Literal[False], daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None: ...
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
+                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None:
     """Run fn(i, *args) in a child for each i < nprocs; join them or return their ProcessContext."""
     if not callable(fn):
         raise TypeError(f"fn must be a callable run as fn(i, *args), got {type(fn).__name__}")
@@ -165,9 +193,11 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     ctx = get_context(start_method)        # ValueError naming the valid start methods
     args = tuple(args)
 
+    processes: list[BaseProcess | None]
+    error_pipes: list[Connection | None]
     processes, error_pipes = [None] * nprocs, [None] * nprocs
 
-    def start(i):
+    def start(i: int) -> None:
         reader, writer = multiprocessing.connection.Pipe(duplex=False)
         error_pipes[i] = reader
         try:
@@ -193,7 +223,7 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
         for conn in filter(None, error_pipes):
             conn.close()
         raise
-    context = ProcessContext(processes, error_pipes)
+    context = ProcessContext(processes, error_pipes)  # type: ignore[arg-type]  # (all set by now)
     if not join:
         return context
     while not context.join():
@@ -201,7 +231,20 @@ def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     return None
 
 
-def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+@overload
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: Literal[True] = True,
+          daemon: bool = False, start_method: str = "spawn") -> None: ...
+@overload
+def spawn(fn: Callable[..., object], args: Iterable[Any], nprocs: int, join: Literal[False],
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, *, join: Literal[False],
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+@overload
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None: ...
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
+          daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None:
     """start_processes() with the spawn start method (``start_method``: deprecated, as in torch)."""
     if start_method != "spawn":
         warnings.warn(f"spawn() always uses the 'spawn' start method (got {start_method!r}); "

@@ -29,7 +29,7 @@ from .segment import reduce_segment
 _done = False
 
 
-def register():
+def register() -> None:
     global _done
     if _done:
         return

@@ -9,6 +9,7 @@ spend most of its time in pickle.
 import ctypes
 import struct
 from multiprocessing.context import get_spawning_popen
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ _HEAD = struct.Struct("<QBB?")
 _DIMS = [struct.Struct(f"<{2 * n}q") for n in range(256)]     # shape + strides, by ndim
 
 
-_codes = {}        # dtype -> its string as bytes, or None where the dtype needs pickle
+_codes: "dict[Any, bytes | None]" = {}        # dtype -> its string as bytes, or None where the dtype needs pickle
 
 
 def _code(dtype):
@@ -138,7 +139,7 @@ def decode_array(payload, fds):
     return _view(segment.attach_fd(fds[0]), offset, shape, strides, dtype, readonly)
 
 
-_dtypes = {}       # dtype string (str or ascii bytes) -> np.dtype, for those seen (parsing costs more than the rest)
+_dtypes: "dict[str | bytes, np.dtype[Any]]" = {}       # dtype string (str or ascii bytes) -> np.dtype, for those seen (parsing costs more than the rest)
 
 
 def _dtype(code):

@@ -57,6 +57,7 @@ import struct
 import threading
 import weakref
 from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.multiprocessing.reductions as _torch_reductions
@@ -68,7 +69,7 @@ from ..memory import arena, segment
 from ..strategy import get_sharing_strategy
 
 HAVE_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-_C_IS_SHARED = torch._C.StorageBase.is_shared        # torch's own answer (its shared memory)
+_C_IS_SHARED = torch._C.StorageBase.is_shared  # type: ignore[attr-defined]  # torch's own answer (its shared memory)
 _strided = torch.strided
 _uint8 = torch.uint8
 
@@ -92,7 +93,7 @@ def _dtype(code):
 # collate uses it) is a 1-d tensor of the whole storage in one call, 1.0 us against 2-4 us
 # for ``torch.empty((0,), dtype=...).set_(storage, ...)``; ``template.new()`` is the
 # cheapest empty tensor of the dtype. Probed, since older torch may lack ``new(UntypedStorage)``.
-_templates = {}
+_templates: dict[torch.dtype, torch.Tensor] = {}
 
 
 def _template(dtype):
@@ -129,7 +130,7 @@ def _tensor_over(storage, dtype, storage_offset, size, stride):
 # storage. Dead entries are swept when the table has doubled, as torch's SharedCache does.
 # ---------------------------------------------------------------------------------------
 
-_storages = {}
+_storages: "dict[Any, weakref.ref[torch.UntypedStorage]]" = {}
 _limit = 256
 _lock = threading.Lock()
 
@@ -334,7 +335,10 @@ def tensor_is_shared(t):
     return storage_is_shared(t.untyped_storage())
 
 
-def share_memory_(obj):
+_T = TypeVar("_T")
+
+
+def share_memory_(obj: _T) -> _T:
     """Move ``obj`` into shared memory in place; returns ``obj``.
 
     ``torch.Tensor`` (and Parameter), storages, ``torch.nn.Module`` (parameters, their
@@ -369,7 +373,7 @@ def share_memory_(obj):
     return obj
 
 
-def is_shared(obj):
+def is_shared(obj: object) -> bool:
     if isinstance(obj, torch.Tensor):
         return tensor_is_shared(obj)
     if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
@@ -379,7 +383,7 @@ def is_shared(obj):
     return False
 
 
-def empty(shape, dtype=None):
+def empty(shape: int | Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
     """A CPU tensor of ``shape`` in sharedmp memory (zeros: fresh memory is zero)."""
     dtype = torch.get_default_dtype() if dtype is None else dtype
     shape = torch.Size((shape,) if isinstance(shape, int) else shape)
@@ -398,7 +402,8 @@ def empty(shape, dtype=None):
     return t if len(shape) == 1 and t.numel() == numel else t.set_(storage, 0, shape)
 
 
-def empty_like(t, dtype=None, shape=None):
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None,
+               shape: Sequence[int] | None = None) -> torch.Tensor:
     return empty(t.shape if shape is None else shape, t.dtype if dtype is None else dtype)
 
 
@@ -805,7 +810,7 @@ def rebuild_nested_tensor(buffer, sizes, strides, offsets):
 # ---------------------------------------------------------------------------------------
 
 _torch_share_memory_ = torch.UntypedStorage.share_memory_
-_torch_new_shared = torch.UntypedStorage._new_shared.__func__    # (a classmethod)
+_torch_new_shared = torch.UntypedStorage._new_shared.__func__  # type: ignore[attr-defined]  # (a classmethod)
 
 
 def _patch_torch():
