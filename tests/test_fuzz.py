@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 import sharedmp as mp
-from sharedmp.channels.fdpass import (FDS_ON_SOCKET, HEADER, KIND, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MAX_PAYLOAD,
+from sharedmp.channels.fdpass import (FDS_ON_SOCKET, FLIGHT_TOKEN, HEADER, KIND, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MAX_PAYLOAD,
                                       PAYLOAD_IN_MEMFD, VERSION)
 from sharedmp.memory import manager, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
@@ -189,7 +189,8 @@ def frame_oracle(payload, with_record, nfds, length, magic, version, flags, cut)
     if nfds > MAX_FDS or length > MAX_PAYLOAD:
         return mp.ProtocolError, "over the sane bounds"
     in_memfd, on_socket = flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET
-    if with_record != (1 if on_socket else nfds) + (1 if in_memfd else 0):
+    token = flags & FLIGHT_TOKEN      # a flight token (any fd: the receiver only closes it)
+    if with_record != (1 if on_socket else nfds) + (1 if in_memfd else 0) + (1 if token else 0):
         return mp.ProtocolError, f"announces {nfds} fds.* but {with_record} arrived"
     if in_memfd:                      # the payload's offset in the last fd: one of the sealed memfds
         if len(payload) != 8:

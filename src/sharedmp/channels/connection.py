@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import ProtocolError
 from ..memory import manager
 from ..reductions.ndarray import decode_array, encode_array, reduce_ndarray
-from . import fdpass
+from . import fdpass, flow
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -172,6 +172,7 @@ class Connection:
         self._sock: socket.socket | None = sock
         self._poller: select.poll | None = None
         self._tokens = manager.Tokens()     # of the named segments its messages carry
+        self._window: flow.Window | None = None
         self._readable = readable
         self._writable = writable
 
@@ -207,6 +208,14 @@ class Connection:
         if self._sock is not None:
             sock, self._sock, self._poller = self._sock, None, None
             sock.close()
+            if self._window is not None:
+                self._window.close()
+
+    def _flow(self) -> flow.Window:
+        """This end's window (channels/flow.py), made on the first send."""
+        if self._window is None:
+            self._window = flow.Window()
+        return self._window
 
     def __enter__(self) -> Connection:
         return self
@@ -218,7 +227,7 @@ class Connection:
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
         sock = self._check(write=True)
         payload, fds, flags = dumps(obj, self._tokens)
-        fdpass.send_frame(sock, payload, fds, flags)
+        fdpass.send_frame(sock, payload, fds, flags, self._flow())
 
     def recv(self) -> Any:
         """Receive an object sent with send()."""
@@ -234,7 +243,7 @@ class Connection:
             size = len(m) - offset
         elif size < 0 or offset + size > len(m):
             raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
-        fdpass.send_frame(sock, m[offset:offset + size])
+        fdpass.send_frame(sock, m[offset:offset + size], window=self._flow())
 
     def _recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
         payload, fds, _ = fdpass.recv_frame(self._check(read=True))

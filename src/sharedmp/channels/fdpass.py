@@ -24,6 +24,7 @@ from ..errors import ProtocolError
 from ..memory import arena, segment
 
 if TYPE_CHECKING:
+    from .flow import Window
     from _typeshed import ReadableBuffer
 
 _local = threading.local()
@@ -32,10 +33,11 @@ _local = threading.local()
 class Fds(list):
     """The fds of a message being sent, and (``keep``) the objects that own them until then."""
 
-    __slots__ = ("keep",)
+    __slots__ = ("keep", "flight")
 
     def __init__(self) -> None:           # (list's own __init__ has nothing to do for an empty list)
         self.keep: list[object] = []
+        self.flight = 0                   # bytes copied into shared memory for this message
 
 
 class OutOfBand:
@@ -89,7 +91,9 @@ def swap(oob: OutOfBand | None) -> OutOfBand | None:
 #
 #   record  header <2sBBIQ: magic b"SM", version, flags, fd count, payload length (16
 #           bytes); then the payload when it fits in RECORD bytes; with the fds (SCM_RIGHTS)
-#   flags   low 6 bits (KIND): what the payload is (0 a pickle; connection.py names others)
+#   flags   low 5 bits (KIND): what the payload is (0 a pickle; connection.py names others)
+#           FLIGHT_TOKEN: the record carries a flight token (flow.py) after the message's fds
+#             (or their socket): the receiver closes it once it has read the record
 #           PAYLOAD_IN_MEMFD: the payload lies in a memfd sealed against shrinking, the
 #             record's last fd, at the offset (<Q) that follows the header (a larger
 #             payload, which no record holds)
@@ -106,8 +110,9 @@ SOCK_TYPE = socket.SOCK_SEQPACKET
 HEADER = struct.Struct("<2sBBIQ")
 _OFFSET = struct.Struct("<Q")
 MAGIC = b"SM"
-VERSION = 2
-KIND = 0x3F
+VERSION = 3
+KIND = 0x1F
+FLIGHT_TOKEN = 0x20
 PAYLOAD_IN_MEMFD = 0x40
 FDS_ON_SOCKET = 0x80
 RECORD = 1 << 16                      # the largest record sent (the socket buffer takes more)
@@ -150,39 +155,62 @@ def _sendmsg(sock, buffers, fds, block=True):
         delay = min(2 * delay, 0.02)
 
 
-def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0) -> None:
-    """Send one frame as one record (blocking while the socket is full)."""
+def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0,
+               window: Window | None = None, flight: int | None = None) -> None:
+    """Send one frame as one record (blocking while the socket is full), then, with a
+    ``window``, while the flight of its messages passes it. ``flight``: the bytes this
+    message copied into shared memory (default: ``fds.flight``)."""
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     nfds, length = len(fds), len(payload)
+    if flight is None:
+        flight = getattr(fds, "flight", 0)
+    extra = []                        # the record's own fds, after the message's
     if length > RECORD - HEADER.size:
         # Carved from this process's arenas (or a segment of its own when large): warm memory
         # once recycled, where a memfd per message would cost a page fault per 4 KiB.
         mapping, offset = arena.allocate(length, "file_descriptor", zero=False)
         mapping[offset:offset + length] = payload          # (``mapping`` lives until sent)
-        fds = [*fds, segment.segment_of(mapping).fd]  # type: ignore[union-attr]  # the payload's fd comes last
-        payload, flags = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD
-    header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if len(fds) > MAX_FDS_PER_MSG else 0),
-                         nfds, length)
-    if len(fds) <= MAX_FDS_PER_MSG:
-        _sendmsg(sock, [header, payload], fds)
-        return
-    side = _fds_socket(fds[:nfds])    # the message's fds; the payload's, if any, stays in the record
+        extra.append(segment.segment_of(mapping).fd)  # type: ignore[union-attr]  # the payload's fd comes last
+        payload, flags, flight = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD, flight + length
+    token = window.token(flight) if window is not None else None
+    if token is not None:
+        extra.insert(0, token)
+        flags |= FLIGHT_TOKEN
     try:
-        _sendmsg(sock, [header, payload], [side, *fds[nfds:]])
+        on_socket = nfds + len(extra) > MAX_FDS_PER_MSG
+        header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if on_socket else 0), nfds, length)
+        if not on_socket:
+            _sendmsg(sock, [header, payload], [*fds, *extra])
+        else:
+            side = _fds_socket(fds)   # the message's fds; the record's own stay in the record
+            try:
+                _sendmsg(sock, [header, payload], [side, *extra])
+            finally:
+                os.close(side)
     finally:
-        os.close(side)
+        if token is not None:
+            os.close(token)           # the message's copy is the one that counts
+    if window is not None:
+        window.wait()
 
 
-def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), flags: int = 0) -> bool:
-    """Send one frame now if it is one plain record and the socket takes it at once; False
-    (nothing sent) if it would wait or fail: then ``send_frame`` it, which waits or raises."""
+def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), flags: int = 0,
+                   window: Window | None = None) -> bool:
+    """Send one frame now if it is one plain record, needs no flight token, and the socket
+    takes it at once; False (nothing sent) if it would wait or fail: then ``send_frame``
+    it, which waits or raises."""
     if len(payload) > RECORD - HEADER.size or len(fds) > MAX_FDS_PER_MSG:
+        return False
+    flight = getattr(fds, "flight", 0)
+    if window is not None and not window.untracked(flight):
         return False
     try:
         _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload)), payload], fds, block=False)
     except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
         return False                  # queued whole or not at all, so nothing went out
+    if window is not None:
+        window.count(flight)
     return True
 
 
@@ -243,11 +271,12 @@ def recv_frame(sock: socket.socket, block: bool = True) -> tuple[bytes | bytearr
                                 "is not a sharedmp channel of this version, or the stream is corrupt")
         if nfds > MAX_FDS or length > MAX_PAYLOAD:
             raise ProtocolError(f"frame announces {nfds} fds and {length} bytes: over the sane bounds")
-        in_memfd, on_socket = flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET
-        expected = (1 if on_socket else nfds) + (1 if in_memfd else 0)
+        in_memfd, on_socket, token = flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET, flags & FLIGHT_TOKEN
+        expected = (1 if on_socket else nfds) + (1 if in_memfd else 0) + (1 if token else 0)
         if len(fds) != expected:
             raise ProtocolError(f"frame announces {nfds} fds{' on a socket' if on_socket else ''}"
-                                f"{' and its payload in a memfd' if in_memfd else ''} but {len(fds)} "
+                                f"{' and its payload in a memfd' if in_memfd else ''}"
+                                f"{' and a flight token' if token else ''} but {len(fds)} "
                                 "arrived with it")
         got = len(data) - HEADER.size
         if in_memfd:
@@ -260,6 +289,8 @@ def recv_frame(sock: socket.socket, block: bool = True) -> tuple[bytes | bytearr
                                 f"{length}: the peer is not a sharedmp channel, or the stream is corrupt")
         else:
             payload = data[HEADER.size:]
+        if token:                     # taken: the sender's window is free of this message
+            os.close(fds.pop())
         if on_socket:
             fds = _fds_of_socket(fds.pop(), nfds)
         return payload, fds, flags & KIND

@@ -138,7 +138,7 @@ class SimpleQueue:
 
     def put(self, obj: Any) -> None:
         payload, fds, flags = dumps(obj, self._writer._tokens)
-        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
+        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, self._writer._flow())
 
 
 class Queue:
@@ -200,14 +200,16 @@ class Queue:
         pass
 
     def _send(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> None:
+        window = self._writer._flow()
         if _pid != self._creator:
-            fdpass.send_frame(self._writer._check(write=True), payload, fds, flags)
+            fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, window)
             return
         # In the creating process put() never waits for the socket. Straight into it when
         # the feeder holds nothing (the buffer keeps each item until it is sent: this
         # thread's earlier items are all out) and the socket takes the record at once;
         # otherwise through the feeder, in order. Saves a thread hand-off per message.
-        if not self._buffer and fdpass.try_send_frame(self._writer._check(write=True), payload, fds, flags):
+        if not self._buffer and fdpass.try_send_frame(self._writer._check(write=True), payload, fds, flags,
+                                                      window):
             return
         held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
@@ -215,7 +217,7 @@ class Queue:
                 self._start_thread()
             # ``fds.keep`` too: the token of a file_system message, which the messages waiting
             # here share (one fd for all of them), lives as long as one of them waits.
-            self._buffer.append((payload, held, flags, fds.keep))
+            self._buffer.append((payload, held, flags, fds.keep, fds.flight))
             self._notempty.notify()
 
     def put_nowait(self, obj: Any) -> None:
@@ -316,9 +318,12 @@ class Queue:
                 reader.close()
                 writer.close()
                 return
-            payload, taken, flags, _ = item
+            payload, taken, flags, _, flight = item
             try:
-                fdpass.send_frame(writer._check(write=True), payload, [entry[0] for entry in taken], flags)
+                # (waits here, not in put(), while the window is full: as multiprocessing's
+                # feeder waits on a full pipe)
+                fdpass.send_frame(writer._check(write=True), payload, [entry[0] for entry in taken], flags,
+                                  writer._flow(), flight)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return

@@ -66,6 +66,7 @@ def reduce_ndarray(a):
         oob = fdpass.current()
         if oob is not None:
             oob.keep_alive(mapping)
+            oob.fds.flight += a.nbytes       # made for this message (channels/flow.py)
         elif not arena.is_current(mapping):      # a copy carved from an arena lives with it
             offset = _address(a) - seg.address
             return _rebuild_args(a, _reduced_now(seg, mapping), offset)
@@ -111,6 +112,7 @@ def encode_array(a, fds):
             return None
         a = copy_to_shared(a)
         mapping, seg = mapping_of(a)
+        fds.flight += a.nbytes               # made for this message (channels/flow.py)
     if seg.kind != "file_descriptor":        # named: the daemon must hear of the reference in flight
         return None
     fds.keep.append(mapping)                 # alive until sent, even if ``a`` was a fresh copy

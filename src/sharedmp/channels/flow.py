@@ -1,0 +1,151 @@
+"""Flow control: a sender is never further ahead of its receivers than its window.
+
+The standard library's ``send`` blocks once the kernel's pipe buffer is full, which bounds
+what a fast producer holds in flight. sharedmp's records are small (the memory travels as
+fds), so the socket buffer bounds nothing: a connection counts instead the memory its
+messages made for the flight (a payload over one record, written into shared memory; a
+plain array copied into shared memory at send) and a send blocks, after its message went
+out, while that passes the window. Shared arrays the sender keeps are its own memory, not
+flight.
+
+How a sender learns that a message was taken: the message carries a *flight token*, the
+write end of a pipe whose read end the sender keeps; the receiver closes it as it reads
+the record. The read end sees EOF once every copy is closed, which also happens when the
+message can no longer be received (the channel destroyed unread, the receiver killed with
+it in hand), so a lost message never holds the window for good. Receipt is what counts,
+not what the receiver keeps afterwards: kept arrays are the receiver's memory.
+
+A pipe per message would cost a few microseconds on small ones, so the flight of small
+messages is summed and the token goes with the message that brings the sum to
+``STEP`` (an eighth of the window): at most a step is ever uncounted. Records before a
+token are taken before it (one socket, one sender process, in order).
+
+The window: ``$SHAREDMP_WINDOW_BYTES``, default 8 MiB or a 64th of the memory the
+machine (or its cgroup) has available, whichever is smaller. A send returns once the
+flight, its own message included, is within the window, so a message larger than the
+window returns once it has been received, as the standard library's larger than its pipe
+buffer do. A send that finds the window full waits until half of it is free, so that a
+steady stream wakes once per half-window and not once per message. The bench's streams
+(W2, W3) run as fast with 8 MiB as with 64 MiB or none. Windows are per connection end
+and per process.
+"""
+from __future__ import annotations
+
+import os
+import select
+import threading
+import weakref
+
+from ..memory import segment
+
+ENV = "SHAREDMP_WINDOW_BYTES"
+DEFAULT = 8 << 20
+_FRACTION_OF_AVAILABLE = 64
+
+
+def window_bytes() -> int:
+    """The window of a connection made now: $SHAREDMP_WINDOW_BYTES, else the default."""
+    value = os.environ.get(ENV)
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"${ENV} must be a number of bytes, not {value!r}") from None
+        if n <= 0:
+            raise ValueError(f"${ENV} must be positive, not {n}")
+        return n
+    return max(1 << 20, min(DEFAULT, segment.available_memory() // _FRACTION_OF_AVAILABLE))
+
+
+class Window:
+    """The flight of one connection end in this process: tokens of messages not yet taken."""
+
+    def __init__(self) -> None:
+        self.limit = window_bytes()
+        self.step = max(1, self.limit // 8)
+        self._uncounted = 0                   # flight of recent messages, below a step
+        self._tokens: dict[int, int] = {}     # read end -> bytes it stands for
+        self.flight = 0                       # the sum of _tokens' bytes
+        self._lock = threading.Lock()
+        _windows.add(self)
+
+    def token(self, nbytes: int) -> int | None:
+        """The write end of a token for a message of ``nbytes`` of flight, or None when the
+        message goes without one (its bytes are counted with a later one). The caller
+        sends it with the message and closes it."""
+        if nbytes <= 0:
+            return None
+        with self._lock:
+            self._uncounted += nbytes
+            if self._uncounted < self.step:
+                return None
+            r, w = os.pipe2(os.O_CLOEXEC)
+            self._tokens[r] = self._uncounted
+            self.flight += self._uncounted
+            self._uncounted = 0
+            return w
+
+    def untracked(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` of flight would go without a token and not wait."""
+        return self.flight <= self.limit and self._uncounted + nbytes < self.step
+
+    def count(self, nbytes: int) -> None:
+        """A message of ``nbytes`` went without a token: a later one counts them."""
+        if nbytes:
+            with self._lock:
+                self._uncounted += nbytes
+
+    def wait(self) -> None:
+        """Once the window is full: block until receivers have taken half of it."""
+        if self.flight <= self.limit:
+            return
+        with self._lock:
+            while self.flight > self.limit // 2:
+                poller = select.poll()
+                for r in self._tokens:
+                    poller.register(r, select.POLLIN)
+                # (PEP 475: a signal interrupts this only if its handler raises, as it
+                # interrupts the standard library's blocking send)
+                for r, _ in poller.poll():
+                    self._taken(r)
+
+    def reap(self) -> None:
+        """Let go of the tokens of messages already taken, without waiting."""
+        if not self._tokens:
+            return
+        with self._lock:
+            poller = select.poll()
+            for r in self._tokens:
+                poller.register(r, select.POLLIN)
+            for r, _ in poller.poll(0):
+                self._taken(r)
+
+    def _taken(self, r: int) -> None:
+        self.flight -= self._tokens.pop(r)
+        os.close(r)
+
+    def close(self) -> None:
+        with self._lock:
+            for r in list(self._tokens):
+                self._taken(r)
+            self._uncounted = 0
+
+    def __del__(self) -> None:
+        for r in self._tokens:
+            try:
+                os.close(r)
+            except OSError:
+                pass
+
+
+# A forked child's copies of the parent's windows stand for the parent's messages.
+_windows: weakref.WeakSet[Window] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for w in list(_windows):
+        w._lock = threading.Lock()
+        w.close()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
