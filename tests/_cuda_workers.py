@@ -15,7 +15,7 @@ import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 
-from sharedmp.channels import connection
+from sharedmp import wire
 from sharedmp.cuda import ipc, lease
 from sharedmp.reductions import cuda as rc
 
@@ -131,7 +131,7 @@ def install():
     ipc._exporter = ipc.Exporter(driver, lease.server())
     ipc._importer = ipc.Importer(driver, lease.client())
     ForkingPickler.register(DevArray, reduce_dev)
-    connection.reducers_changed()
+    wire.reducers_changed()
     return driver
 
 

@@ -435,7 +435,7 @@ def test_tensor_header_fields(header):
     """Every field of a tensor frame drawn (mostly near the honest values): a tensor inside the
     segment showing its bytes, or SegmentError naming the header; never a crash or an fd left."""
     torch = pytest.importorskip("torch")
-    from sharedmp.reductions.torch import _DTYPES
+    from sharedmp.reductions.torch.codes import DTYPES as _DTYPES
     offset, nbytes, storage_offset, code, flags, shape, strides = header
     fd = sealed_memfd(4096)
     try:

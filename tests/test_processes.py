@@ -463,7 +463,7 @@ def test_fork_while_other_threads_hold_every_sharedmp_lock():
     names = {f"{m}.{a}" for m, a in locks}
     assert {"sharedmp.memory.segment._lock", "sharedmp.memory.arena._lock",
             "sharedmp.processes.pdeath._starter_lock",
-            "sharedmp.reductions.torch._lock"} <= names
+            "sharedmp.reductions.torch.storage._lock"} <= names
     held, release = threading.Event(), threading.Event()
 
     def hold_all():

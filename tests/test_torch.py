@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import sharedmp as mp                                    # noqa: E402
 from sharedmp.memory import arena, segment               # noqa: E402
-from sharedmp.reductions import torch as R               # noqa: E402
+from sharedmp.reductions.torch import tensors as R       # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,7 +62,7 @@ import sys
 from multiprocessing.reduction import ForkingPickler as FP
 import torch
 from torch.nn.parameter import Parameter
-import sharedmp.reductions.torch as R
+import sharedmp.reductions.torch.tensors as R
 ours = all(FP._extra_reducers[c] is R.reduce_tensor for c in (torch.Tensor, Parameter))
 ours &= FP._extra_reducers[torch.UntypedStorage] is R.reduce_storage
 ours &= FP._extra_reducers[torch.FloatStorage] is R.reduce_typed_storage_child
@@ -422,7 +422,8 @@ def test_tensor_shared_by_torch_file_system_is_forwarded():
 
 def test_without_swap_data_ptr_tensors_move_into_torchs_shared_memory(monkeypatch, pipe):
     # what an older torch (no UntypedStorage._swap_data_ptr_) gets: torch's own in-place move
-    monkeypatch.setattr(R, "HAVE_SWAP", False)
+    from sharedmp.reductions.torch import storage
+    monkeypatch.setattr(storage, "HAVE_SWAP", False)
     x = torch.arange(8.0)
     view = x[3:]
     got = pipe([x, view])
@@ -434,15 +435,15 @@ def test_without_swap_data_ptr_tensors_move_into_torchs_shared_memory(monkeypatc
 # -- a tensor alone: a binary frame, no pickle ------------------------------------------
 
 def test_a_tensor_alone_travels_in_a_tensor_frame(pipe):
-    from sharedmp.channels import connection
+    from sharedmp import wire
     x = torch.arange(24.0).reshape(4, 6)
     p = torch.nn.Parameter(torch.ones(3))
     cases = [x, x[1], x[:, 2], x.t(), x[2, 3], x[1:, ::2], p, torch.nn.Parameter(torch.arange(3), requires_grad=False),
              torch.zeros(2, requires_grad=True), torch.arange(5, dtype=torch.int16), torch.ones(2, 2, dtype=torch.bool),
              torch.complex(x, -x).conj(), torch.complex(x, -x).conj().imag]      # (conj and neg bits)
     for t in cases:
-        payload, fds, flags = connection.dumps(t)
-        assert flags == connection.FLAG_TENSOR and len(fds) == 1 and len(payload) == 27 + 16 * t.dim()
+        payload, fds, flags = wire.dumps(t)
+        assert flags == wire.FLAG_TENSOR and len(fds) == 1 and len(payload) == 27 + 16 * t.dim()
         got = pipe(t)
         assert type(got) is type(t) and got.requires_grad == t.requires_grad and got.dtype == t.dtype
         assert (got.shape, got.stride(), got.storage_offset()) == (t.shape, t.stride(), t.storage_offset())
@@ -452,7 +453,8 @@ def test_a_tensor_alone_travels_in_a_tensor_frame(pipe):
 
 
 def test_a_received_tensor_is_a_leaf_of_its_own_over_the_storage(pipe):
-    assert R._NEW_OVER_STORAGE            # this torch makes one with template.new(storage)
+    from sharedmp.reductions.torch import storage
+    assert storage.NEW_OVER_STORAGE            # this torch makes one with template.new(storage)
     x = mp.share(torch.arange(6.0))
     for t in (x, x[2:], x.view(2, 3), x.view(2, 3).t()):
         got = pipe(t)
@@ -465,12 +467,12 @@ def test_a_received_tensor_is_a_leaf_of_its_own_over_the_storage(pipe):
 
 
 def test_what_the_tensor_frame_does_not_carry_goes_through_pickle(pipe, monkeypatch):
-    from sharedmp.channels import connection
+    from sharedmp import wire
     x = mp.share(torch.arange(4.0))
     others = [x.as_subclass(Tagged), torch.ones(0), torch.ones(2, device="meta"),
               torch.ones(3).to_sparse(), [x], torch.ones(2).share_memory_()]
     for t in others:
-        assert connection.dumps(t)[2] == 0, t
+        assert wire.dumps(t)[2] == 0, t
         got = pipe(t)
         assert type(got) is type(t)
     with pytest.raises(RuntimeError, match="requires_grad"):      # a non-leaf: pickle's error
@@ -478,15 +480,15 @@ def test_what_the_tensor_frame_does_not_carry_goes_through_pickle(pipe, monkeypa
     # a reducer of the user's own for tensors wins over the frame
     own = lambda t: (torch.tensor, (t.tolist(),))                  # noqa: E731
     monkeypatch.setitem(ForkingPickler._extra_reducers, torch.Tensor, own)
-    connection.reducers_changed()
+    wire.reducers_changed()
     try:
-        assert connection.dumps(x)[2] == 0
+        assert wire.dumps(x)[2] == 0
         got = pipe(x)
         assert torch.equal(got, x) and not mp.is_shared(got)
     finally:
         monkeypatch.undo()
-        connection.reducers_changed()
-    assert connection.dumps(x)[2] == connection.FLAG_TENSOR
+        wire.reducers_changed()
+    assert wire.dumps(x)[2] == wire.FLAG_TENSOR
 
 
 def test_a_misaligned_view_is_refused_by_the_sender(pipe):

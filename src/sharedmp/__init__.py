@@ -8,7 +8,7 @@ import multiprocessing as _multiprocessing
 from multiprocessing import *  # noqa: F401,F403  -- the standard surface, unchanged
 from typing import TYPE_CHECKING, Any
 
-from . import reductions as _reductions
+from . import registry as _registry
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
 # (mypy keeps multiprocessing's types for the names below, as torch.multiprocessing's users see
 # them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)
@@ -36,12 +36,12 @@ __all__ += [
     "ProcessRaisedException", "ProcessExitedException",
 ]
 
-_reductions.register()
+_registry.install()
 
 
 def init_reductions() -> None:
     """torch.multiprocessing's name for registering the reducers: done on import already."""
-    _reductions.register()
+    _registry.install()
 
 # torch.multiprocessing's helpers that its own tests use; forwarded (torch imported on use).
 _TORCH_HELPERS = ("_set_thread_name", "_get_thread_name")

@@ -1,7 +1,8 @@
 """NumPy arrays in shared memory: allocation, ``share``, ``is_shared``, ``share_memory_``.
 
-torch objects are handed to ``sharedmp.reductions.torch`` (imported only once torch is:
-``_torch_of`` never imports it).
+torch objects are handed to ``sharedmp.reductions.torch.sharing`` (imported only once torch
+is: ``_torch_of`` never imports it). What a view's shared memory is, and the copy made of an
+array that is not shared, are ``memory/views.py``'s.
 """
 from __future__ import annotations
 
@@ -12,20 +13,19 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, SupportsInde
 
 import numpy as np
 
-from .memory import arena, segment
+from .memory import arena
+from .memory.views import copy_to_shared, mapping_of
 from .strategy import get_sharing_strategy
 
 if TYPE_CHECKING:
     import torch
     from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-    from .memory.segment import Segment
-
     _TorchObject = Union[torch.Tensor, torch.UntypedStorage, torch.TypedStorage, torch.nn.Module,
                          torch.optim.Optimizer]
 
     class _TorchReductions(Protocol):
-        """What arrays.py uses of ``sharedmp.reductions.torch`` (a module)."""
+        """What arrays.py uses of ``sharedmp.reductions.torch.sharing`` (a module)."""
         def share_memory_(self, obj: _TorchT) -> _TorchT: ...
         def is_shared(self, obj: object) -> bool: ...
 
@@ -112,8 +112,8 @@ def _torch_of(obj: object) -> _TorchReductions | None:
         return None
     if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage,
                         torch.nn.Module, torch.optim.Optimizer)):
-        from .reductions import torch as torch_reductions
-        return torch_reductions
+        from .reductions.torch import sharing
+        return sharing
     return None
 
 
@@ -126,8 +126,8 @@ def empty_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
     """A shared array with the shape and dtype of ``a`` (a torch tensor: a shared CPU tensor)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(a, torch.Tensor):
-        from .reductions import torch as torch_reductions
-        return torch_reductions.empty_like(a, dtype, shape)
+        from .reductions.torch import sharing
+        return sharing.empty_like(a, dtype, shape)
     a = np.asarray(a)
     return empty(a.shape if shape is None else shape, a.dtype if dtype is None else dtype)
 
@@ -140,56 +140,6 @@ def zeros_like(a: ArrayLike, dtype: DTypeLike | None = None, shape: ShapeLike | 
 def zeros_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
     """A shared array of zeros with the shape and dtype of ``a``."""
     return empty_like(a, dtype, shape)
-
-
-def mapping_of(a: NDArray[Any]) -> tuple[Any, Segment | None]:
-    """(mapping, Segment) of the shared memory under ndarray ``a``, or (None, None)."""
-    seg = segment.segment_of(a.base)      # the usual case: a view of a lease or of a mapping
-    if seg is not None:
-        return a.base, seg
-    root: Any = a
-    for _ in range(1000):          # base chains are short; the bound only guards odd objects
-        if isinstance(root, np.ndarray):
-            # (numpy's stubs say .base is an ndarray or None; it is whatever the buffer was)
-            if type(root.base) is memoryview and segment.segment_of(root) is not None:  # type: ignore[comparison-overlap, unused-ignore]
-                break                 # a lease: what a segment this process made is viewed through
-            root = root.base
-        elif isinstance(root, memoryview):
-            root = root.obj
-        elif hasattr(root, "__array_interface__") and hasattr(root, "base"):
-            # numpy's DummyArray: what as_strided / sliding_window_view put under their views
-            root = root.base
-        else:
-            break
-    return root, (segment.segment_of(root) if root is not None else None)
-
-
-def _extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
-    """(lowest, end) byte offsets touched by a view, relative to its data pointer."""
-    if 0 in shape:
-        return 0, 0
-    lo = hi = 0
-    for n, s in zip(shape, strides):      # a loop: this runs for every array received
-        if s < 0:
-            lo += (n - 1) * s
-        else:
-            hi += (n - 1) * s
-    return lo, hi + itemsize
-
-
-def copy_to_shared(a: NDArray[Any]) -> NDArray[Any]:
-    """A shared copy of ``a`` with the same strides where that costs at most twice its bytes."""
-    _plain_dtype(a.dtype)
-    lo, end = _extent(a.shape, a.strides, a.itemsize)
-    if end - lo > 2 * a.nbytes + 4096:   # e.g. a[::1000]: copy the elements, not the gaps
-        out = _new(a.shape, a.dtype, "C", False)
-    else:                                # gaps between the elements are zeroed, not left as they were
-        mapping, offset = arena.allocate(end - lo, get_sharing_strategy(), end - lo != a.nbytes)
-        out = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=offset - lo, strides=a.strides)
-    np.copyto(out, a, casting="no")
-    if not a.flags.writeable:
-        out.flags.writeable = False
-    return out
 
 
 @overload

@@ -58,7 +58,7 @@ try:
 except ImportError as e:
     raise ImportError("sharedmp.joblib needs joblib: pip install 'sharedmp[joblib]'") from e
 
-from . import arrays as _arrays
+from .memory import views as _views
 from .channels import context as _context
 
 __all__ = ["BACKEND_NAME", "SharedmpBackend", "register"]
@@ -142,12 +142,12 @@ class SharedmpBackend(MultiprocessingBackend):  # type: ignore[misc]  # joblib h
         if kind is np.ndarray:
             limit = self._max_nbytes
             if (limit is None or obj.nbytes <= limit or obj.dtype.hasobject
-                    or _arrays.mapping_of(obj)[1] is not None):
+                    or _views.mapping_of(obj)[1] is not None):
                 return obj
             with self._copies_lock:
                 held = self._copies.get(id(obj))
                 if held is None or held[0] is not obj:
-                    copy = _arrays.copy_to_shared(obj)
+                    copy = _views.copy_to_shared(obj)
                     if self._readonly:
                         copy.flags.writeable = False
                     held = self._copies[id(obj)] = (obj, copy)

@@ -2,12 +2,12 @@
 
 The path of one array (compare multiprocessing.connection, changed: frames carry fds)::
 
-    send(obj) -- dumps: ForkingPickler with an OutOfBand current; the segment reducers put
-                 each segment's fd into it once and pickle its index
+    send(obj) -- wire.dumps: ForkingPickler with an OutOfBand current; the segment reducers
+                 put each segment's fd into it once and pickle its index
               -- fdpass.send_frame: header + payload + fds (SCM_RIGHTS), one record of the
                  socket sent by one sendmsg (the kernel now holds the fds: the sender may exit)
     recv()    -- fdpass.recv_frame: that record, by one recvmsg
-              -- loads: unpickle with OutOfBand(fds) current; each segment is mapped once per
+              -- wire.loads: unpickle with OutOfBand(fds) current; each segment is mapped once per
                  process (cached by inode), then every received fd is closed
               -- the array is a view of that mapping; the mapping lives as long as a view does
 
@@ -16,132 +16,22 @@ tensor through multiprocessing's resource sharer).
 """
 from __future__ import annotations
 
-import copyreg
-import importlib
-import io
 import math
 import os
-import pickle
 import select
 import socket
-from multiprocessing.reduction import DupFd, ForkingPickler
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from multiprocessing.reduction import DupFd
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
-from ..errors import ProtocolError
+from .. import wire
 from ..memory import manager
-from ..reductions.ndarray import decode_array, encode_array, reduce_ndarray
+from ..wire import dumps, loads
 from . import fdpass, flow
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
 SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
-
-
-class _Pickler(pickle.Pickler):
-    """ForkingPickler's reducers without copying its dispatch table for every message."""
-
-    _source: tuple[int, int] | None = None
-
-    @classmethod
-    def refresh(cls) -> None:
-        # ForkingPickler copies copyreg's table and its registrations on every __init__
-        # (a few microseconds per message); reuse the merged table until either changes.
-        source = (len(copyreg.dispatch_table), len(ForkingPickler._extra_reducers))  # type: ignore[attr-defined]
-        if cls._source != source:
-            table = dict(copyreg.dispatch_table)
-            table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
-            cls.dispatch_table, cls._source = table, source
-
-
-def reducers_changed() -> None:
-    """Call after replacing a ForkingPickler registration (the count alone would not tell)."""
-    _Pickler._source = None
-
-
-# The kinds of payload (the frame's flags under fdpass.KIND; 0 is a pickle):
-FLAG_ARRAY = 1     # the payload is ``encode_array``'s header, not a pickle
-FLAG_TENSOR = 2    # the payload is ``encode_tensor``'s header (reductions/torch.py)
-
-# A message of one object of these types alone skips pickle: type -> (the reducer it has
-# while sharedmp's is registered, encode(obj, fds) -> payload or None, flag); and
-# flag -> decode(payload, fds). A user's own ForkingPickler registration turns it off.
-Reducer = Callable[[Any], Any]
-Encoder = Callable[[Any, fdpass.Fds], Optional[bytes]]       # None: pickle it instead
-Decoder = Callable[[Union[bytes, bytearray], list[int]], Any]
-_encoders: dict[type[Any], tuple[Reducer, Encoder, int]] = {
-    np.ndarray: (reduce_ndarray, encode_array, FLAG_ARRAY)}
-_decoders: dict[int, Decoder] = {FLAG_ARRAY: decode_array}
-_LAZY = {FLAG_TENSOR: ("sharedmp.reductions.torch", "torch")}   # decoders that register on import
-
-
-def frame_kind(flag: int, decode: Decoder, reducers: dict[type[Any], Reducer], encode: Encoder) -> None:
-    """Register a binary frame: ``decode`` for ``flag``; ``encode`` for each type of
-    ``reducers`` (type -> its sharedmp reducer)."""
-    _decoders[flag] = decode
-    for cls, reducer in reducers.items():
-        _encoders[cls] = (reducer, encode, flag)
-
-
-def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffer, fdpass.Fds, int]:
-    """(payload, fds, flags) of ``obj``: its bytes (a pickle, or for an array or a tensor
-    alone a fixed header), the fds it references (borrowed) and the frame's flags.
-
-    ``tokens``: the sending channel's (``manager.Tokens``); named segments in ``obj`` are
-    then in flight until this message can no longer be received (its token fd comes last)."""
-    kind = _encoders.get(type(obj))
-    if kind is not None and ForkingPickler._extra_reducers.get(type(obj)) is kind[0]:  # type: ignore[attr-defined]
-        fds = fdpass.Fds()
-        payload = kind[1](obj, fds)
-        if payload is not None:
-            return payload, fds, kind[2]
-    oob = fdpass.OutOfBand()
-    prev = fdpass.swap(oob)
-    try:
-        buf = io.BytesIO()
-        _Pickler.refresh()
-        _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-    finally:
-        fdpass.swap(prev)
-    if oob.names:
-        (tokens or manager.Tokens()).carry(oob.names, oob.fds)
-    return buf.getbuffer(), oob.fds, 0
-
-
-def _decoder(flags: int) -> Decoder:
-    decode = _decoders.get(flags)
-    if decode is None and flags in _LAZY:
-        module, needs = _LAZY[flags]
-        try:
-            importlib.import_module(module)
-        except ImportError as e:
-            raise ProtocolError(f"a frame of flags {flags:#x} needs {needs}, which this process cannot "
-                                f"import ({e}): install it here too") from None
-        decode = _decoders.get(flags)
-    if decode is None:
-        raise ProtocolError(f"frame with unknown flags {flags:#x}: the peer is a newer or "
-                            "another program, or the stream is corrupt")
-    return decode
-
-
-def loads(payload: bytes | bytearray, fds: list[int], flags: int = 0) -> Any:
-    """The object of a received frame; closes the received fds whatever happens."""
-    if flags:
-        try:
-            return _decoder(flags)(payload, fds)
-        finally:
-            fdpass.close_all(fds)
-    prev = fdpass.swap(fdpass.OutOfBand(fds))
-    try:
-        return pickle.loads(payload)
-    except EOFError as e:         # pickle's "Ran out of input": not the end of the channel
-        raise ProtocolError(f"a frame's payload ends before its pickle does ({len(payload)} bytes; "
-                            "the peer sent raw bytes to recv(), or the stream is corrupt)") from e
-    finally:
-        fdpass.swap(prev)
-        fdpass.close_all(fds)
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
@@ -297,7 +187,7 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
 # A Connection pickles as its socket: in band on a sharedmp channel, else as a DupFd
 # (while spawning it goes along with the child's fds, as multiprocessing's does).
 def reduce_connection(conn: Connection) -> tuple[Callable[..., Connection], tuple[Any, bool, bool]]:
-    oob = fdpass.current()
+    oob = wire.current()
     if oob is not None:
         return rebuild_connection_in_band, (oob.add(conn.fileno()), conn.readable, conn.writable)
     return rebuild_connection, (DupFd(conn.fileno()), conn.readable, conn.writable)
@@ -308,8 +198,6 @@ def rebuild_connection(dupfd: Any, readable: bool, writable: bool) -> Connection
 
 
 def rebuild_connection_in_band(index: int, readable: bool, writable: bool) -> Connection:
-    fd = os.dup(fdpass.current().get(index))  # type: ignore[union-attr]  # (a sharedmp channel unpickles)
+    fd = os.dup(wire.current().get(index))  # type: ignore[union-attr]  # (a sharedmp channel unpickles)
     return Connection(socket.socket(fileno=fd), readable, writable)
 
-
-ForkingPickler.register(Connection, reduce_connection)

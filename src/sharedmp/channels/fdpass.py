@@ -1,11 +1,7 @@
-"""File descriptors that travel out of band, beside a message's pickled bytes.
+"""Records and their fds on AF_UNIX sockets: what ``wire.dumps`` made, moved whole.
 
-While a sharedmp channel pickles a message, the reducers put the fds of the segments
-it references into the message's ``OutOfBand`` (one per segment, however many arrays
-view it) and pickle only their index; the channel sends them in the same ``sendmsg``
-as the frame (SCM_RIGHTS). While it unpickles, the rebuild functions look the
-received fds up by index. Outside a sharedmp channel there is no ``OutOfBand`` and the
-reducers fall back to multiprocessing's ``DupFd``.
+A message's fds (collected by ``wire.OutOfBand`` while it is pickled) travel in the same
+``sendmsg`` as its record (SCM_RIGHTS); the receiver gets both from one ``recvmsg``.
 """
 from __future__ import annotations
 
@@ -16,72 +12,16 @@ import os
 import socket
 import stat
 import struct
-import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import ProtocolError
 from ..memory import arena, segment
+from ..wire import Fds, OutOfBand, close_all, current, swap  # noqa: F401 (used by the channels)
 
 if TYPE_CHECKING:
     from .flow import Window
     from _typeshed import ReadableBuffer
-
-_local = threading.local()
-
-
-class Fds(list):
-    """The fds of a message being sent, and (``keep``) the objects that own them until then."""
-
-    __slots__ = ("keep", "flight")
-
-    def __init__(self) -> None:           # (list's own __init__ has nothing to do for an empty list)
-        self.keep: list[object] = []
-        self.flight = 0                   # bytes copied into shared memory for this message
-
-
-class OutOfBand:
-    """The fds of one message: collected while pickling, looked up while unpickling; and
-    the paths of the named segments it carries (``manager.Tokens`` keeps them in flight)."""
-
-    __slots__ = ("fds", "_index", "names")
-
-    def __init__(self, fds: list[int] | None = None) -> None:
-        # (a list given: the fds received, only looked up; an Fds is what a sender fills)
-        self.fds: Fds = Fds() if fds is None else fds  # type: ignore[assignment]
-        self._index: dict[int, int] = {}
-        self.names: list[str] = []
-
-    def keep_alive(self, owner: object) -> None:
-        """Keep ``owner`` (a mapping whose fd this message carries) alive as long as ``fds``:
-        the caller holds ``fds`` until they are sent (or dup'ed)."""
-        self.fds.keep.append(owner)
-
-    def add(self, fd: int) -> int:
-        """The index of ``fd`` in this message, adding it once."""
-        i = self._index.get(fd)
-        if i is None:
-            i = self._index[fd] = len(self.fds)
-            self.fds.append(fd)
-        return i
-
-    def get(self, i: int) -> int:
-        if not isinstance(i, int) or not 0 <= i < len(self.fds):
-            raise ProtocolError(f"message refers to fd #{i!r} but carried {len(self.fds)} fds")
-        return self.fds[i]
-
-
-def current() -> OutOfBand | None:
-    """The OutOfBand of the message this thread is pickling or unpickling, or None."""
-    return getattr(_local, "oob", None)
-
-
-def swap(oob: OutOfBand | None) -> OutOfBand | None:
-    """Make ``oob`` current; returns the previous one, to be restored with swap(prev)."""
-    prev = getattr(_local, "oob", None)
-    _local.oob = oob
-    return prev
-
 
 # ---------------------------------------------------------------------------------------
 # Frames on an AF_UNIX SOCK_SEQPACKET socket. One frame is one record, sent by one sendmsg
@@ -229,14 +169,6 @@ def _fds_socket(fds):
     finally:
         w.close()
         r.close()
-
-
-def close_all(fds: Iterable[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def _take_fds(ancdata, msg_flags, fds):

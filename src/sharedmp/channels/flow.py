@@ -36,6 +36,7 @@ import select
 import threading
 import weakref
 
+from .. import forks
 from ..memory import segment
 
 ENV = "SHAREDMP_WINDOW_BYTES"
@@ -142,10 +143,8 @@ class Window:
 _windows: weakref.WeakSet[Window] = weakref.WeakSet()
 
 
+@forks.in_child
 def _after_fork_in_child() -> None:
     for w in list(_windows):
         w._lock = threading.Lock()
         w.close()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -32,8 +32,11 @@ try:
 except ImportError:  # pragma: no cover
     SEM_VALUE_MAX = 2 ** 31 - 1
 
+from .. import forks
+from .. import wire
+from ..wire import dumps, loads
 from . import fdpass
-from .connection import Pipe, dumps, loads
+from .connection import Pipe
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
@@ -51,14 +54,12 @@ _queues: weakref.WeakSet[Queue] = weakref.WeakSet()
 _pid = os.getpid()            # (os.getpid() is a system call: put() asks for every message)
 
 
+@forks.in_child
 def _after_fork_in_child() -> None:
     global _pid
     _pid = os.getpid()
     for q in list(_queues):
         q._after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class _Held:
@@ -106,7 +107,7 @@ class _Held:
 
     def close_all(self) -> None:
         """(after fork, in the child: no other thread) close every dup inherited."""
-        fdpass.close_all([entry[0] for entry in self._held.values()])
+        wire.close_all([entry[0] for entry in self._held.values()])
         self._held.clear()
 
 

@@ -18,9 +18,10 @@ work from any thread (the lease and release threads too) and leave the caller's
 context stack as it was.
 """
 import ctypes
-import os
 import threading
 from contextlib import contextmanager
+
+from .. import forks
 
 try:
     from cuda.bindings import driver as _cu
@@ -225,11 +226,6 @@ def get():
     return _driver
 
 
-def _after_fork_in_child():
-    # CUDA cannot be used in a forked child of a CUDA process (the fork guard refuses such
-    # forks); the lock only must not stay held by a thread that is not there.
-    global _get_lock
-    _get_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# CUDA cannot be used in a forked child of a CUDA process (the fork guard refuses such
+# forks); the lock only must not stay held by a thread that is not there.
+forks.renew_locks(globals(), "_get_lock")

@@ -34,7 +34,8 @@ import threading
 import warnings
 import weakref
 
-from ..channels import fdpass
+from .. import forks
+from .. import wire
 from ..errors import ProtocolError
 from . import lease as _lease
 
@@ -71,17 +72,17 @@ class Descriptor:
         return (VERSION, KIND) + tuple(getattr(self, f) for f in self.FIELDS)
 
     @classmethod
-    def decode(cls, wire):
+    def decode(cls, form):
         """A Descriptor from its wire form; ProtocolError naming what is wrong."""
-        if not isinstance(wire, tuple) or len(wire) < 2:
-            raise ProtocolError(f"a CUDA array descriptor must be a tuple, got {type(wire).__name__}")
-        if wire[0] != VERSION or wire[1] != KIND:
-            raise ProtocolError(f"CUDA array descriptor {wire[:2]!r} not understood (this sharedmp "
+        if not isinstance(form, tuple) or len(form) < 2:
+            raise ProtocolError(f"a CUDA array descriptor must be a tuple, got {type(form).__name__}")
+        if form[0] != VERSION or form[1] != KIND:
+            raise ProtocolError(f"CUDA array descriptor {form[:2]!r} not understood (this sharedmp "
                                 f"reads version {VERSION}, {KIND!r}): run the same sharedmp version "
                                 "in every process")
-        if len(wire) != 2 + len(cls.FIELDS):
-            raise ProtocolError(f"a CUDA array descriptor has {len(cls.FIELDS)} fields, got {len(wire) - 2}")
-        d = cls(*wire[2:])
+        if len(form) != 2 + len(cls.FIELDS):
+            raise ProtocolError(f"a CUDA array descriptor has {len(cls.FIELDS)} fields, got {len(form) - 2}")
+        d = cls(*form[2:])
         d._check()
         return d
 
@@ -142,7 +143,7 @@ class Exporter:
 
     def _event(self, ordinal, stream):
         """The event recorded for this message on (ordinal, stream), or None after a sync."""
-        oob = fdpass.current()            # None outside sharedmp's channels: no memo
+        oob = wire.current()            # None outside sharedmp's channels: no memo
         memo_oob, memo = self._memo
         if oob is not None and oob is memo_oob and (ordinal, stream) in memo:
             return memo[ordinal, stream]
@@ -390,11 +391,11 @@ def importer():
     return _importer
 
 
-def _after_fork_in_child():
-    global _exporter, _importer, _lock, _nonce
+@forks.in_child
+def _after_fork_in_child() -> None:
+    global _exporter, _importer, _nonce
     _exporter = _importer = None
-    _lock = threading.Lock()
     _nonce = secrets.token_bytes(16)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_lock")

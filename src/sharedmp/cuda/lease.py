@@ -45,6 +45,8 @@ import time
 import warnings
 from multiprocessing import util
 
+from .. import forks
+
 RECORD = 17
 CLAIM, RELEASE = b"C", b"R"
 EXIT_TIMEOUT_ENV = "SHAREDMP_CUDA_EXIT_TIMEOUT"
@@ -357,11 +359,11 @@ def client():
     return _client
 
 
-def _after_fork_in_child():
+@forks.in_child
+def _after_fork_in_child() -> None:
     # The server's thread and the client's sockets belong to the parent.
-    global _server, _client, _lock
+    global _server, _client
     _server = _client = None
-    _lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_lock")

@@ -24,6 +24,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from .. import forks
 from . import cache, segment
 
 if TYPE_CHECKING:
@@ -156,13 +157,12 @@ def is_current(mapping):
     return any(a.mapping is mapping for a in list(_current.values()))
 
 
-def _after_fork_in_child():
+@forks.in_child
+def _after_fork_in_child() -> None:
     # The parent keeps carving its arenas; a child carving the same ones would hand
     # out regions twice. Children start arenas of their own.
-    global _lock
-    _lock = threading.Lock()
     _current.clear()
     _idle.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_lock")

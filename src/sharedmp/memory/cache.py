@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from .. import forks
+
 ENV = "SHAREDMP_CACHE_IDLE"
 DEFAULT_IDLE = 1.0
 TICK = 0.25
@@ -168,10 +170,10 @@ def read_stats(pid: int) -> Any:
     return None
 
 
+@forks.in_child
 def _after_fork_in_child() -> None:
     # The thread stays in the parent; the stats memfd describes the parent.
-    global _lock, _pass_lock, _thread, _wanted, _stats_fd, _stats_last
-    _lock, _pass_lock = threading.Lock(), threading.Lock()
+    global _thread, _wanted, _stats_fd, _stats_last
     _thread, _wanted, _stats_last = None, False, None
     if _stats_fd >= 0:
         try:
@@ -181,4 +183,4 @@ def _after_fork_in_child() -> None:
         _stats_fd = -1
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_lock", "_pass_lock")

@@ -36,6 +36,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import forks
 from . import cache
 
 if TYPE_CHECKING:
@@ -160,10 +161,10 @@ def _drop(entry):
     entry[1] = None               # the mapping goes with its last reference
 
 
-def _after_fork_in_child():
+@forks.in_child
+def _after_fork_in_child() -> None:
     # The parent reuses these segments; a child must not write into them (nor hold their fds).
-    global _lock, _total
-    _lock = threading.RLock()
+    global _total
     for entry in _entries:
         try:
             os.close(entry[2])
@@ -173,4 +174,4 @@ def _after_fork_in_child():
     _total = 0
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_lock")

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from .. import forks
 from ..errors import OutOfSharedMemory, SegmentError
 from . import cache, manager, recycle
 
@@ -52,8 +53,10 @@ HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
 SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if HAVE_MEMFD else 0
 SHM_DIR_ENV = "SHAREDMP_SHM_DIR"
 PREFIX = "sharedmp_"
-# 80 random bits, short enough for macOS's 31-character shm names.
-NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
+# A segment's name: PREFIX and 80 random bits in hex, short enough for macOS's 31-character
+# shm names. The one pattern of sharedmp's names (daemon.py, a stdlib-only script, keeps a
+# copy that tests/test_doctor.py holds equal to this one).
+NAME_RE = re.compile(re.escape(PREFIX) + r"[0-9a-f]{20}\Z")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -565,12 +568,11 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
     return mm
 
 
-def _after_fork_in_child():
-    global _lock
-    _lock = threading.Lock()
+@forks.in_child
+def _after_fork_in_child() -> None:
     _recent.clear()                 # the parent's cache; the child keeps what it uses itself
     # The child maps what the parent mapped: it holds those names too, on its own connection.
     manager.after_fork_in_child([s.path for s in _by_key.values() if s.path is not None])
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_lock")

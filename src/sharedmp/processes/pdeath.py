@@ -34,6 +34,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
+from .. import forks
+
 if TYPE_CHECKING:
     import multiprocessing.process
 
@@ -170,11 +172,10 @@ def _serve(requests):
         start = done = outcome = None    # hold nothing of a finished request while waiting
 
 
-def _after_fork_in_child():
-    # The starter thread does not exist in a forked child; its lock may have been held.
-    global _starter, _starter_lock
-    _starter = None
-    _starter_lock = threading.Lock()
+@forks.in_child
+def _after_fork_in_child() -> None:
+    global _starter
+    _starter = None                  # the starter thread does not exist in a forked child
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forks.renew_locks(globals(), "_starter_lock")

@@ -1,8 +1,8 @@
 """torch CUDA tensors and CuPy arrays on the wire, by CUDA IPC (``sharedmp.cuda``).
 
-Imported only when one is met: ``reductions/torch.py`` hands CUDA tensors and storages
-here; CuPy's ``ndarray`` is registered once CuPy is imported (``reductions/__init__``).
-This module imports neither torch nor CuPy itself.
+Imported only when one is met: ``reductions/torch/tensors.py`` hands CUDA tensors and
+storages here; the registry (``sharedmp/registry.py``) installs ``reduce_cupy_array`` once
+CuPy is imported. This module imports neither torch nor CuPy itself.
 
 A torch tensor travels as its storage's region (``cuda.ipc.Descriptor``) plus dtype,
 storage offset, shape, strides and autograd flags; a CuPy array as the region of its
@@ -20,12 +20,8 @@ process that sent it: the original storage / memory; sent on: forwarded (``ipc``
 Without the ``cuda`` extra, torch CUDA tensors fall back to torch's own reducers (one
 warning); CuPy arrays need it.
 """
-import os
-import threading
 import warnings
-from multiprocessing.reduction import ForkingPickler
 
-from ..channels import connection
 from ..cuda import ipc
 
 _fallback_warned = False
@@ -105,13 +101,13 @@ def reduce_torch_tensor(t):
     import torch
     import torch.multiprocessing.reductions as torch_reductions
 
-    from .torch import _dtype_code, _flags
+    from .torch.codes import dtype_code, flags_of
     if _torch_fallback():
         return torch_reductions.reduce_tensor(t)
     cls = type(t)
-    return rebuild_torch_cuda_tensor, (_storage_wire(t.untyped_storage()), _dtype_code(t.dtype),
+    return rebuild_torch_cuda_tensor, (_storage_wire(t.untyped_storage()), dtype_code(t.dtype),
                                        t.storage_offset(), tuple(t.shape), t.stride(),
-                                       _flags(t, cls), None if cls in (torch.Tensor, torch.nn.Parameter) else cls)
+                                       flags_of(t, cls), None if cls in (torch.Tensor, torch.nn.Parameter) else cls)
 
 
 def reduce_torch_storage(storage):
@@ -142,11 +138,11 @@ def rebuild_torch_cuda_storage(wire):
 def rebuild_torch_cuda_tensor(wire, dtype, storage_offset, size, stride, flags, cls):
     import torch
 
-    from .torch import _dtype, _finish
+    from .torch.codes import dtype_of, finish
     storage = rebuild_torch_cuda_storage(wire)
-    t = torch.empty((0,), dtype=_dtype(dtype), device=storage.device)
+    t = torch.empty((0,), dtype=dtype_of(dtype), device=storage.device)
     t.set_(storage, storage_offset, size, stride)
-    return _finish(t, flags, cls) if flags or cls else t
+    return finish(t, flags, cls) if flags or cls else t
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,26 +185,3 @@ def rebuild_cupy_array(wire, dtype, shape, strides, offset):
             imp.remember(d, "cupy", holder)
         mem = cupy.cuda.UnownedMemory(holder.ptr, d.nbytes, holder, holder.ordinal)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, offset), strides)
-
-
-_registered = False
-_lock = threading.Lock()
-
-
-def register_cupy():
-    """Send ``cupy.ndarray`` through sharedmp (called once CuPy is imported)."""
-    global _registered
-    import cupy
-    with _lock:
-        if not _registered:
-            ForkingPickler.register(cupy.ndarray, reduce_cupy_array)
-            connection.reducers_changed()
-            _registered = True
-
-
-def _after_fork_in_child():
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

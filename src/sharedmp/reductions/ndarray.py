@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import _extent, copy_to_shared, mapping_of
-from ..channels import fdpass
+from ..memory.views import copy_to_shared, extent, mapping_of
+from .. import wire
 from ..errors import ProtocolError, SegmentError
 from ..memory import arena, segment
 from ..strategy import get_sharing_strategy
@@ -63,7 +63,7 @@ def reduce_ndarray(a):
         mapping, seg = mapping_of(a)
         # Nothing else holds the copy: without this its mapping, and with it the fd the
         # message is about to carry, would be released before the message is sent.
-        oob = fdpass.current()
+        oob = wire.current()
         if oob is not None:
             oob.keep_alive(mapping)
             oob.fds.flight += a.nbytes       # made for this message (channels/flow.py)
@@ -171,7 +171,7 @@ def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
 def _view(mapping, offset, shape, strides, dtype, readonly):
     """The view, once its header is well typed: only if it lies inside ``mapping``."""
     contiguous = len(shape) == 1 and strides[0] == dtype.itemsize     # the common case, faster
-    lo, end = (0, shape[0] * strides[0]) if contiguous else _extent(shape, strides, dtype.itemsize)
+    lo, end = (0, shape[0] * strides[0]) if contiguous else extent(shape, strides, dtype.itemsize)
     fits = (0 <= offset + lo and offset + end <= len(mapping)) if end else 0 <= offset <= len(mapping)
     if not fits:
         raise SegmentError(f"array of shape {shape} at offset {offset} with strides {strides} does not "

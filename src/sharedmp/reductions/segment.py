@@ -8,12 +8,12 @@ import os
 
 from multiprocessing.reduction import DupFd
 
-from ..channels import fdpass
+from .. import wire
 from ..memory import manager, segment
 
 
 def reduce_segment(seg):
-    oob = fdpass.current()
+    oob = wire.current()
     if seg.kind == "file_system":
         # A reference in flight, told to the daemon before the message can leave: the name
         # stays valid after the sender drops it or exits, until a receiver attaches. On a
@@ -34,7 +34,7 @@ def rebuild_name_in_band(name):
 
 
 def rebuild_fd_in_band(index):
-    oob = fdpass.current()
+    oob = wire.current()
     if oob is None:
         raise RuntimeError("an in-band segment fd can only be unpickled by a sharedmp channel")
     return segment.attach_fd(oob.get(index))  # the channel closes the fds it received

@@ -1,0 +1,170 @@
+"""Every reducer sharedmp installs, in one table; ``install()`` runs once, on import.
+
+Reducers go into ``multiprocessing.reduction.ForkingPickler``, which sharedmp's channels
+use and so do the standard ones (Process arguments under spawn and forkserver, Manager
+connections): arrays travel through shared memory on both. Frame kinds (``wire``) let a
+message of one array or tensor alone skip pickle.
+
+torch and CuPy are never imported by sharedmp, yet their arrays must go through sharedmp
+once they are there. torch registers its own reducers while it is imported
+(``torch.multiprocessing`` calls ``init_reductions()``), so sharedmp's must come after,
+whichever of the two is imported first:
+
+- already imported: install now;
+- otherwise a finder at the front of ``sys.meta_path`` waits for the import, finds the
+  module's spec with the other finders and wraps its loader, so that the installation runs
+  right after the module has executed; then it steps aside (the module gets its own loader
+  back, the finder leaves ``sys.meta_path``).
+
+The torch reducers live in ``reductions/torch/``, whose package imports torch before any of
+its modules runs: a pickle that names one of them imports torch first, which installs them.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable
+
+import numpy as np
+
+from . import wire
+from .channels.connection import Connection, reduce_connection
+from .memory.segment import Segment
+from .reductions.ndarray import decode_array, encode_array, reduce_ndarray
+from .reductions.segment import reduce_segment
+
+# (class, reducer), installed when sharedmp is imported.
+REDUCERS: list[tuple[type, Callable[[Any], Any]]] = [
+    (Segment, reduce_segment),
+    (np.ndarray, reduce_ndarray),
+    (Connection, reduce_connection),
+]
+# Frame kinds: (kind, decode, {type: its reducer}, encode).
+FRAMES = [(wire.FLAG_ARRAY, decode_array, {np.ndarray: reduce_ndarray}, encode_array)]
+# Frame kinds that a module registers once imported: (kind, module, what it needs).
+TORCH_REDUCERS = "sharedmp.reductions.torch.tensors"
+LAZY_FRAMES = [(wire.FLAG_TENSOR, TORCH_REDUCERS, "torch")]
+
+_done = False
+
+
+def install() -> None:
+    global _done
+    if _done:
+        return
+    _done = True
+    for cls, reducer in REDUCERS:
+        ForkingPickler.register(cls, reducer)
+    for kind, decode, reducers, encode in FRAMES:
+        wire.frame_kind(kind, decode, reducers, encode)
+    for kind, module, needs in LAZY_FRAMES:
+        wire.lazy_frame_kind(kind, module, needs)
+    _when_torch_is_imported(_install_torch)
+    _when_imported("cupy", _install_cupy)
+
+
+def _install_torch() -> None:
+    # Never break `import torch`: say why tensors are torch's instead.
+    try:
+        tensors = importlib.import_module(TORCH_REDUCERS)
+        from .reductions.torch import patch
+        for cls, reducer in tensors.reducers():
+            ForkingPickler.register(cls, reducer)
+        wire.reducers_changed()          # ours replace torch's: same count, new table
+        wire.frame_kind(wire.FLAG_TENSOR, *tensors.FRAME)
+        patch.install()
+    except Exception as e:
+        warnings.warn(f"sharedmp: torch support is off, its reducers failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _install_cupy() -> None:
+    # CuPy arrays go by CUDA IPC; cupy.ndarray exists only once CuPy is in.
+    try:
+        import cupy
+
+        from .reductions.cuda import reduce_cupy_array
+        ForkingPickler.register(cupy.ndarray, reduce_cupy_array)
+        wire.reducers_changed()
+    except Exception as e:
+        warnings.warn(f"sharedmp: CuPy support is off, its reducer failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _initializing(module: Any) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def _when_imported(name: str, then: Callable[[], None]) -> None:
+    module = sys.modules.get(name)
+    if module is None:
+        sys.meta_path.insert(0, _AfterImport(name, then))
+    elif not _initializing(module):
+        then()
+
+
+def _when_torch_is_imported(then: Callable[[], None]) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None or not _initializing(torch):
+        _when_imported("torch", then)
+        return
+    # sharedmp imported from within torch's own import (a plugin of torch's):
+    # torch.multiprocessing registers torch's reducers; wait for it if still to come.
+    tmp = sys.modules.get("torch.multiprocessing")
+    if tmp is None:
+        sys.meta_path.insert(0, _AfterImport("torch.multiprocessing", then))
+    elif not _initializing(tmp):
+        then()
+
+
+class _AfterImport:
+    """A meta path finder that finds nothing itself: it wraps the loader of module ``name``."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        for finder in [f for f in sys.meta_path if f is not self]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None                   # not installed (yet): keep waiting
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        # Leave only now: removing ourselves while the import system iterates sys.meta_path
+        # is safe because we return a spec, which ends its iteration.
+        sys.meta_path.remove(self)
+        spec.loader = _RunAfter(spec.loader, self.then)
+        return spec
+
+
+class _RunAfter:
+    """The module's own loader, then ``then``."""
+
+    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
+        self.loader = loader
+        self.then = then
+
+    def __getattr__(self, name: str) -> Any:   # get_source, get_resource_reader, ...: the loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self.loader
+            spec = getattr(module, "__spec__", None)
+            if spec is not None and spec.loader is self:
+                spec.loader = self.loader
+        self.then()
