@@ -312,7 +312,7 @@ def check_fork_guard(r):
 
 
 def check_bench(r, quick):
-    from sharedmp.cli import bench_cuda
+    from sharedmp.cli.bench import cuda as bench_cuda
     rep = bench_cuda.run(quick, timeout=120)
     r["table"] = bench_cuda.format_rows(rep)
     r.update(rep)

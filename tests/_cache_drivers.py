@@ -1,10 +1,10 @@
-"""Programs for the memory-goes-back tests, each run as ``python _cache_drivers.py NAME STRATEGY``.
+"""Programs for the memory-goes-back tests, each run as ``python _cache_drivers.py NAME
+STRATEGY``.
 
 Each is a whole program (fresh caches, its own manager daemon) that measures what it holds
 before and after, and reports one JSON line on stdout. Everything is bounded by timeouts.
 """
 import gc
-import json
 import os
 import queue
 import signal
@@ -16,23 +16,10 @@ import numpy as np
 import sharedmp as mp
 from sharedmp.memory import manager, segment
 
+from _helpers import eventually, say, segment_memfds
+
 TIMEOUT = 30
 SHMEM_SLACK = 8 << 20
-
-
-def say(**kw):
-    print(json.dumps(kw), flush=True)
-
-
-def memfd_fds():
-    """This process's fds on sharedmp memfd segments."""
-    n = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{name}") == "/memfd:sharedmp (deleted)"
-        except OSError:
-            pass
-    return n
 
 
 def shmem():
@@ -49,7 +36,7 @@ def files():
 
 
 def state():
-    return {"files": files(), "fds": memfd_fds(), "shmem": shmem()}
+    return {"files": files(), "fds": len(segment_memfds()), "shmem": shmem()}
 
 
 def back_to(base, limit):
@@ -59,7 +46,8 @@ def back_to(base, limit):
     while True:
         gc.collect()
         now = state()
-        if not now["files"] and now["fds"] <= base["fds"] and now["shmem"] <= base["shmem"] + SHMEM_SLACK:
+        if (not now["files"] and now["fds"] <= base["fds"]
+                and now["shmem"] <= base["shmem"] + SHMEM_SLACK):
             return time.monotonic() - t0, now
         if time.monotonic() - t0 > limit:
             return None, now
@@ -165,7 +153,8 @@ def dropped_queue(n):
     p.start()
     p.join(TIMEOUT)
     _put_n(q, n)
-    time.sleep(0.2)
+    # until the daemon counts both batches in flight (this process's feeder sends its own)
+    eventually(lambda: manager.stats()["in_flight"] >= 2 * n, 5, collect=False)
     unread = len(files())
     in_flight = manager.stats()["in_flight"]
     del q

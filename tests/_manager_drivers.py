@@ -4,7 +4,6 @@ Each is a whole program (its own daemon, since the tests start it without
 $SHAREDMP_MANAGER) that reports on stdout as JSON lines and is killed by the test at
 chosen moments. Everything is bounded by timeouts.
 """
-import json
 import os
 import queue
 import random
@@ -16,11 +15,9 @@ import numpy as np
 import sharedmp as mp
 from sharedmp.memory import manager
 
+from _helpers import say
+
 TIMEOUT = 20
-
-
-def say(**kw):
-    print(json.dumps(kw), flush=True)
 
 
 def _produce(q, seed):
@@ -28,7 +25,7 @@ def _produce(q, seed):
     rng = random.Random(seed)
     kept = []
     for i in range(100000):
-        n = rng.choice([16, 1000, 20000, 300000])          # arena-packed, and segments of their own
+        n = rng.choice([16, 1000, 20000, 300000])      # arena-packed, and segments of their own
         a = mp.full(n, i, dtype=np.float32)
         q.put((i, a))
         if rng.random() < 0.3:
@@ -96,7 +93,8 @@ def parent(method):
 
 
 def daemon_killed():
-    """Allocate, report the daemon; after a line on stdin (the daemon is dead by then), try again."""
+    """Allocate, report the daemon; after a line on stdin (the daemon is dead by then), try
+    again."""
     mp.set_sharing_strategy("file_system")
     kept = [mp.zeros(100), mp.zeros(1 << 18)]
     q = mp.get_context("spawn").SimpleQueue()

@@ -1,4 +1,6 @@
-"""Shared fixtures: start methods, and a leak check around every test.
+"""Shared fixtures (start methods, sharing strategies) and a leak check around every test.
+
+Helpers that child processes import too live in ``_helpers.py``; the others are here.
 
 The leak check fails a test that leaves behind, once it has ended:
 - a child process (killed by pid, then reported),
@@ -20,8 +22,17 @@ import pytest
 import sharedmp as mp
 from sharedmp.memory import arena, segment
 
+from _helpers import (TIMEOUT, data_ptr, eventually, fds_on, memfd_maps,  # noqa: F401
+                      open_fds, proc_stat, segment_memfds)
+
+# Every start method. The channel and queue suites run under each (the ``start_method``
+# fixture): fork inherits what the parent has, spawn pickles everything into a fresh
+# interpreter, forkserver pickles too but forks from a server that predates the test.
 START_METHODS = ["fork", "spawn", "forkserver"]
-TIMEOUT = 60  # seconds for any join/get in a test
+# The two ends, for tests too costly to run three times (children that import torch, pools
+# that start a worker per task): forkserver pickles what it sends as spawn does.
+FORK_AND_SPAWN = ["fork", "spawn"]
+SHARING_STRATEGIES = ["file_descriptor", "file_system"]
 
 
 def shm_files():
@@ -101,27 +112,44 @@ def no_leaks(request):
         pytest.fail("; ".join(problems), pytrace=False)
 
 
-@pytest.fixture(params=START_METHODS)
-def ctx(request):
-    """A multiprocessing context for each start method."""
-    return multiprocessing.get_context(request.param)
+@pytest.fixture(params=START_METHODS, ids=START_METHODS)
+def start_method(request):
+    """Each start method in turn: "fork", "spawn", "forkserver".
 
-
-def eventually(predicate, timeout=5.0):
-    """Poll ``predicate`` (collecting garbage) until true or ``timeout`` s; its last value.
-
-    Named segments are unlinked by the manager daemon a few milliseconds after their last
-    holder lets go, not synchronously.
+    A test that covers only some on purpose says so: ``fork_or_spawn``, or a direct
+    ``@pytest.mark.parametrize("start_method", [...])`` with a comment saying why.
     """
-    deadline = time.monotonic() + timeout
-    while not (ok := predicate()) and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    return ok
+    return request.param
+
+
+@pytest.fixture(params=FORK_AND_SPAWN, ids=FORK_AND_SPAWN)
+def fork_or_spawn(request):
+    """"fork" and "spawn" only: for tests too costly to run under all three (FORK_AND_SPAWN)."""
+    return request.param
+
+
+@pytest.fixture
+def ctx(start_method):
+    """The standard multiprocessing context of each start method (not sharedmp's)."""
+    return multiprocessing.get_context(start_method)
+
+
+@pytest.fixture(params=SHARING_STRATEGIES)
+def sharing_strategy(request):
+    """Each sharing strategy in turn, set for the test (no_leaks restores the environment)."""
+    mp.set_sharing_strategy(request.param)
+    return request.param
+
+
+def start_process(ctx, target, *args):
+    """A started daemon ``ctx.Process`` running ``target(*args)``."""
+    p = ctx.Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
 
 
 def group_gone(pgid, wait=10):
-    """True once neither process ``pgid`` nor any of its group is left (polled up to ``wait`` s)."""
+    """True once neither process ``pgid`` nor any of its group is left (polled ``wait`` s)."""
     deadline = time.monotonic() + wait
     while True:
         for probe in (os.kill, os.killpg):

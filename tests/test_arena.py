@@ -1,7 +1,7 @@
-"""Packing small arrays into arenas: few segments, no overlap, few fds per message, fork safety."""
+"""Packing small arrays into arenas: few segments, no overlap, few fds per message, fork
+safety."""
 import gc
 import multiprocessing
-import os
 
 import numpy as np
 import pytest
@@ -13,25 +13,15 @@ from sharedmp.channels import fdpass
 from sharedmp.memory import arena, recycle, segment
 
 import _workers as w
-
-
-def _ptr(a):
-    return a.__array_interface__["data"][0]
+from conftest import data_ptr, segment_memfds
 
 
 def _segment_fd_count():
-    n = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:sharedmp"):
-                n += 1
-        except OSError:
-            pass
-    return n
+    return len(segment_memfds())
 
 
 def _assert_disjoint(arrays):
-    spans = sorted((_ptr(a), _ptr(a) + a.nbytes) for a in arrays)
+    spans = sorted((data_ptr(a), data_ptr(a) + a.nbytes) for a in arrays)
     for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
         assert e0 <= s1, f"regions [{s0:#x}, {e0:#x}) and [{s1:#x}, {e1:#x}) overlap"
 
@@ -43,7 +33,7 @@ def test_10000_small_arrays_use_few_segments_and_fds():
     used = {id(mapping_of(a)[0]) for a in arrays}
     assert len(used) <= 2                                   # 1.25 MiB in 4 MiB arenas
     assert len(segment.live_segments()) - segs_before <= 2
-    assert _segment_fd_count() - fds_before <= 6            # sent, private and the mapping's, per arena
+    assert _segment_fd_count() - fds_before <= 6     # sent, private and the mapping's, per arena
     assert all(mp.is_shared(a) and a.dtype == np.float64 and not a.any() for a in arrays)
     _assert_disjoint(arrays)
     for i, a in enumerate(arrays):                          # no two arrays share memory
@@ -56,7 +46,7 @@ def test_regions_are_aligned_and_never_handed_out_twice():
     arrays = [mp.empty(n, np.uint8) for n in sizes * 5]
     for a in arrays:
         if a.size:
-            assert _ptr(a) % arena.ALIGN == 0
+            assert data_ptr(a) % arena.ALIGN == 0
     _assert_disjoint(arrays)
     for i, a in enumerate(arrays):
         a[...] = i % 256
@@ -77,7 +67,8 @@ def test_full_arena_is_replaced_and_freed_when_its_arrays_die():
     first = mp.zeros(8)
     seg = mapping_of(first)[1]
     inode = seg.key[1]
-    filler = [mp.empty(arena.SMALL_LIMIT - 64, np.uint8) for _ in range(arena.ARENA_SIZE // arena.SMALL_LIMIT + 1)]
+    filler = [mp.empty(arena.SMALL_LIMIT - 64, np.uint8)
+              for _ in range(arena.ARENA_SIZE // arena.SMALL_LIMIT + 1)]
     assert any(mapping_of(x)[1] is not seg for x in filler)
     assert arena._current["file_descriptor"].mapping is not mapping_of(first)[0]
     assert seg in segment.live_segments()                   # still alive through its arrays
@@ -112,7 +103,7 @@ def test_message_of_1000_small_arrays_carries_one_fd_per_arena(strategy):
         got = ForkingPickler.loads(data)
     finally:
         fdpass.swap(prev)
-    assert [_ptr(g) for g in got] == [_ptr(a) for a in arrays]
+    assert [data_ptr(g) for g in got] == [data_ptr(a) for a in arrays]
 
 
 def test_message_with_arrays_from_several_arenas_and_big_segments():

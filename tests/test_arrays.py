@@ -1,6 +1,5 @@
 """mp.empty/zeros/full/empty_like/zeros_like, share, share_memory_, is_shared."""
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -8,6 +7,8 @@ import pytest
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
 from sharedmp.memory import recycle
+
+from conftest import fds_on, memfd_maps
 
 SHAPES = [
     (5, (5,)), ((2, 3), (2, 3)), ([4, 1, 2], (4, 1, 2)), (np.int64(7), (7,)),
@@ -162,17 +163,7 @@ def test_is_shared():
 
 
 def _fds_and_maps(key):
-    fds = []
-    for n in os.listdir("/proc/self/fd"):
-        try:
-            st = os.stat(f"/proc/self/fd/{n}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == key:
-            fds.append(n)
-    with open("/proc/self/maps") as f:
-        maps = [line for line in f if "memfd:sharedmp" in line and int(line.split()[4]) == key[1]]
-    return fds, maps
+    return fds_on(key), memfd_maps(key)
 
 
 def test_big_array_memory_and_fd_go_with_last_view():
@@ -187,7 +178,7 @@ def test_big_array_memory_and_fd_go_with_last_view():
     assert _fds_and_maps(key) == (fds, maps)              # the view keeps it
     del v
     gc.collect()
-    kept_fds, kept_maps = _fds_and_maps(key)                # kept for reuse: the fd it sent is closed
+    kept_fds, kept_maps = _fds_and_maps(key)         # kept for reuse: the fd it sent is closed
     assert len(kept_fds) == len(fds) - 1 and kept_maps == maps and recycle.kept()[0] >= 1
     recycle.clear()
     assert _fds_and_maps(key) == ([], [])

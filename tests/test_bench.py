@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from sharedmp.cli import bench, bench_report
+from sharedmp.cli.bench import plan, worker
+from sharedmp.cli.bench import report as bench_report
+from sharedmp.memory import leftovers
 
 TIMEOUT = 180
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -121,7 +123,7 @@ def test_nothing_left_in_dev_shm(tiny_run):
     # test suite running meanwhile may own them); unused new ones are.
     new = {os.path.join("/dev/shm", n) for n in shm_entries() - before
            if n.startswith(("torch_", "sharedmp_", "sem.mp-"))}
-    assert not new - bench._in_use(new)
+    assert not new - leftovers.in_use(new)
 
 
 @linux_only
@@ -135,24 +137,26 @@ def test_plot_written(tiny_run):
 
 def test_stdlib_worker_never_imports_sharedmp():
     """The stdlib and torch columns are only honest if their processes lack sharedmp's reducers."""
-    src = open(bench.__file__).read()
+    src = open(worker.__file__).read()
     top = src.split("\ndef ", 1)[0]
     imports = [line for line in top.splitlines() if line.startswith(("import ", "from "))]
     assert imports and all("sharedmp" not in line and not line.startswith("from .") for line in imports)
+    # Run as a script, it has no package: a relative import anywhere in it would fail there.
+    assert not [line for line in src.splitlines() if line.strip().startswith("from .")]
 
 
 def test_plan_counts():
-    plan = {w["id"]: w for w in bench.make_plan(1.0, 3)}
-    assert [plan[k]["n"] for k in ("W1", "W2", "W3", "W4", "W5", "W6", "W7")] == [5000, 1000, 40, 20, 200, 5000, 1000]
-    assert plan["W7"]["systems"] == ["sharedmp_torch", "torch_fd", "torch_spawn"]
-    assert "torch_spawn" not in plan["W1"]["systems"] and "sharedmp_torch" in plan["W1"]["systems"]
-    assert len(bench.state_dict_shapes()) == 200
-    assert 2 * bench.MiB < plan["W4"]["bytes"] < 16 * bench.MiB
-    assert bench._counts(plan["W5"], "stdlib", 3)[1] == 20            # stdlib: a tenth, by value
-    assert bench._counts(plan["W6"], "torch_fd", 3) == [5000]         # W6: no warm-up round
-    quick = {w["id"]: w for w in bench.make_plan(0.2, 1)}
+    workloads = {w["id"]: w for w in plan.make_plan(1.0, 3)}
+    assert [workloads[k]["n"] for k in ("W1", "W2", "W3", "W4", "W5", "W6", "W7")] == [5000, 1000, 40, 20, 200, 5000, 1000]
+    assert workloads["W7"]["systems"] == ["sharedmp_torch", "torch_fd", "torch_spawn"]
+    assert "torch_spawn" not in workloads["W1"]["systems"] and "sharedmp_torch" in workloads["W1"]["systems"]
+    assert len(plan.state_dict_shapes()) == 200
+    assert 2 * worker.MiB < workloads["W4"]["bytes"] < 16 * worker.MiB
+    assert plan.counts(workloads["W5"], "stdlib", 3)[1] == 20            # stdlib: a tenth, by value
+    assert plan.counts(workloads["W6"], "torch_fd", 3) == [5000]         # W6: no warm-up round
+    quick = {w["id"]: w for w in plan.make_plan(0.2, 1)}
     assert quick["W1"]["n"] == 1000 and quick["W3"]["n"] == 8
-    assert bench.make_plan(0.001, 1)[-1]["n"] == bench.W7_WORKERS + 2    # W7: batches past start-up
+    assert plan.make_plan(0.001, 1)[-1]["n"] == worker.W7_WORKERS + 2    # W7: batches past start-up
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path):
@@ -178,12 +182,12 @@ def test_torch_targets_from_figures():
     """The torch targets: ratios of sharedmp torch to sharedmp NumPy, W6 compares fd counts, W7 is
     sharedmp torch against torch's default DataLoader (the torch fd column)."""
     ok = lambda **kw: dict(status="ok", **kw)  # noqa: E731
-    results = {w: {s: None for s, _ in bench.SYSTEMS} for w in ("W1", "W6", "W7")}
+    results = {w: {s: None for s, _ in plan.SYSTEMS} for w in ("W1", "W6", "W7")}
     results["W1"].update(sharedmp=ok(msgs=100.0), sharedmp_torch=ok(msgs=70.0), torch_fd=ok(msgs=1.0))
     results["W6"].update(sharedmp=ok(fds=2), sharedmp_torch=ok(fds=3))
     results["W7"].update(sharedmp_torch=ok(batches=600.0), torch_fd=ok(batches=100.0))
     report = {"results": results, "bounds": {}, "workloads": [
-        w for w in bench.make_plan(0.01, 1) if w["id"] in results]}
+        w for w in plan.make_plan(0.01, 1) if w["id"] in results]}
     got = {t["target"]: (t["value"], t["met"]) for t in bench_report.check_targets(report)}
     assert got["W1 torch >= 0.8x sharedmp NumPy"] == (0.7, False)
     assert got["W6 torch fds <= sharedmp NumPy fds"] == ([3, 2], False)

@@ -11,7 +11,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -19,12 +18,13 @@ import pytest
 import sharedmp as mp
 from sharedmp.memory import arena, cache, recycle, segment
 
-from conftest import run_bounded
+from conftest import eventually, run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVERS = os.path.join(HERE, "_cache_drivers.py")
 STRATEGIES = ["file_descriptor", "file_system"]
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and memfd")
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="needs /proc and memfd")
 
 
 @pytest.fixture
@@ -40,7 +40,8 @@ def drive(directory, *args, timeout=180):
     env = {k: v for k, v in os.environ.items()
            if k not in ("SHAREDMP_MANAGER", mp.strategy.ENV, cache.ENV)}
     env[segment.SHM_DIR_ENV] = directory
-    rc, out, err = run_bounded([sys.executable, DRIVERS, *map(str, args)], timeout=timeout, env=env)
+    rc, out, err = run_bounded([sys.executable, DRIVERS, *map(str, args)], timeout=timeout,
+                               env=env)
     assert rc == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -96,13 +97,6 @@ def test_a_stream_reuses_its_segments_instead_of_releasing_them(shm):
 
 # -- in this process ----------------------------------------------------------------------
 
-def _wait(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_an_idle_current_arena_is_let_go_and_one_in_use_is_carved_further():
     mp.set_sharing_strategy("file_descriptor")
     keep = mp.zeros(10)
@@ -125,7 +119,7 @@ def test_the_cache_thread_runs_only_while_something_is_mapped():
     gc.collect()
     if segment.live_segments():
         pytest.skip("other tests' arrays are still alive in this process")
-    assert _wait(lambda: cache._thread is None, 3 * cache.TICK + 2)
+    assert eventually(lambda: cache._thread is None, 3 * cache.TICK + 2, collect=False)
 
 
 def test_stats_show_what_is_cached():
@@ -134,7 +128,8 @@ def test_stats_show_what_is_cached():
     a = mp.zeros(1 << 21)                                # 16 MiB, its own segment
     del a
     s = cache.stats()
-    assert s["pid"] == os.getpid() and s["cache"]["pool"][0] >= 16 << 20 and s["cache"]["pool"][1] >= 1
+    assert s["pid"] == os.getpid()
+    assert s["cache"]["pool"][0] >= 16 << 20 and s["cache"]["pool"][1] >= 1
     mp.empty_cache()
     assert cache.stats()["cache"]["pool"] == [0, 0]
     cache._publish()
@@ -160,7 +155,8 @@ def test_the_pool_stays_below_a_quarter_of_the_memory_that_is_left():
 
 def test_cache_idle_setting_is_checked():
     env = {**os.environ, cache.ENV: "soon"}
-    rc, out, err = run_bounded([sys.executable, "-c", "import sharedmp as mp; mp.zeros(10)"], env=env)
+    rc, out, err = run_bounded([sys.executable, "-c", "import sharedmp as mp; mp.zeros(10)"],
+                               env=env)
     assert rc != 0 and "SHAREDMP_CACHE_IDLE must be a number of seconds" in err
 
 

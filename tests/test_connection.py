@@ -15,19 +15,9 @@ import sharedmp as mp
 from sharedmp.channels.connection import Connection
 
 import _channel_workers as cw
-from conftest import TIMEOUT, join_or_kill
+from conftest import TIMEOUT, data_ptr, join_or_kill, start_process
 
 BIG = 50 << 20          # well beyond the socket buffer (1 MiB asked, often less granted)
-
-
-def _ptr(a):
-    return a.__array_interface__["data"][0]
-
-
-def _start(ctx, target, *args):
-    p = ctx.Process(target=target, args=args, daemon=True)
-    p.start()
-    return p
 
 
 def _recv(conn, timeout=TIMEOUT):
@@ -246,19 +236,18 @@ def test_same_memory_twice_arrives_as_the_same_memory():
         a.send((x, x[2:5]))
         a.send(x)
         (y, view), z = _recv(b), _recv(b)
-        assert _ptr(y) == _ptr(z) == _ptr(x)             # received in its own process: same mapping
-        assert _ptr(view) == _ptr(x) + 2 * x.itemsize
+        assert data_ptr(y) == data_ptr(z) == data_ptr(x)  # received in its own process: same map
+        assert data_ptr(view) == data_ptr(x) + 2 * x.itemsize
         y[3] = 7
         assert x[3] == 7 and view[1] == 7
 
 
 # -- with a child on the other side ---------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_objects_and_arrays_both_ways(method):
-    ctx = mp.get_context(method)
+def test_objects_and_arrays_both_ways(start_method):
+    ctx = mp.get_context(start_method)
     a, b = ctx.Pipe()
-    p = _start(ctx, cw.echo, b)
+    p = start_process(ctx, cw.echo, b)
     b.close()
     try:
         x = mp.zeros(6, dtype=np.int32)
@@ -266,7 +255,7 @@ def test_objects_and_arrays_both_ways(method):
         a.send(("hi", x, plain, {"k": [1, 2]}))
         tag, y, q, d = _recv(a)
         assert tag == "hi" and d == {"k": [1, 2]}
-        assert _ptr(y) == _ptr(x)                        # back home: the same memory
+        assert data_ptr(y) == data_ptr(x)                    # back home: the same memory
         assert mp.is_shared(q) and q.tolist() == plain.tolist() and not mp.is_shared(plain)
         a.send(None)
         assert join_or_kill(p) == 0
@@ -275,11 +264,10 @@ def test_objects_and_arrays_both_ways(method):
         join_or_kill(p)
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_producer_may_exit_right_after_send(method):
-    ctx = mp.get_context(method)
+def test_producer_may_exit_right_after_send(start_method):
+    ctx = mp.get_context(start_method)
     r, w = ctx.Pipe(duplex=False)
-    p = _start(ctx, cw.send_then_exit, w, 200)
+    p = start_process(ctx, cw.send_then_exit, w, 200)
     w.close()
     try:
         got = [_recv(r) for _ in range(200)]
@@ -294,9 +282,11 @@ def test_producer_may_exit_right_after_send(method):
 
 
 def test_big_bytes_to_a_child_and_back():
+    # 50 MiB each way: the size is the point, not how the child started, so one start method
+    # each (spawn here, fork in the next test) instead of three.
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    p = _start(ctx, cw.echo_bytes, b)
+    p = start_process(ctx, cw.echo_bytes, b)
     b.close()
     try:
         data = cw.pattern(BIG)
@@ -313,7 +303,7 @@ def test_big_bytes_to_a_child_and_back():
 def test_big_bytes_and_object_from_a_child():
     ctx = mp.get_context("fork")
     a, b = ctx.Pipe()
-    p = _start(ctx, cw.send_big, b, BIG)
+    p = start_process(ctx, cw.send_big, b, BIG)
     b.close()
     try:
         expected = cw.pattern(BIG)
@@ -330,10 +320,10 @@ def test_big_bytes_and_object_from_a_child():
         join_or_kill(p)
 
 
-def test_eof_when_child_closes_its_end():
-    ctx = mp.get_context("fork")
+def test_eof_when_child_closes_its_end(start_method):
+    ctx = mp.get_context(start_method)
     a, b = ctx.Pipe()
-    p = _start(ctx, cw.close_and_exit, b)
+    p = start_process(ctx, cw.close_and_exit, b)
     b.close()
     try:
         assert join_or_kill(p) == 0
@@ -344,17 +334,16 @@ def test_eof_when_child_closes_its_end():
         a.close()
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_connection_sent_through_a_pipe_to_another_process(method):
+def test_connection_sent_through_a_pipe_to_another_process(start_method):
     """A Connection travels in band (its fd in the same message) and works over there."""
-    ctx = mp.get_context(method)
+    ctx = mp.get_context(start_method)
     ctl_parent, ctl_child = ctx.Pipe()
     mine, theirs = mp.Pipe()
-    p = _start(ctx, cw.echo, ctl_child)
+    p = start_process(ctx, cw.echo, ctl_child)
     ctl_child.close()
     try:
         ctl_parent.send(theirs)                          # to the child...
-        back = _recv(ctl_parent)                          # ...and back: a new Connection over the same socket
+        back = _recv(ctl_parent)         # ...and back: a new Connection over the same socket
         assert isinstance(back, Connection) and back is not theirs
         theirs.close()
         back.send(("via", mp.full(2, 9)))
@@ -370,7 +359,8 @@ def test_connection_sent_through_a_pipe_to_another_process(method):
 
 
 def test_socket_buffer_too_small_for_a_record_is_refused_up_front(monkeypatch):
-    """(A kernel whose net.core.wmem_max is below two records: here a record larger than any buffer.)"""
+    """(A kernel whose net.core.wmem_max is below two records: here a record larger than any
+    buffer.)"""
     from sharedmp.channels import fdpass
     monkeypatch.setattr(fdpass, "RECORD", 1 << 30)
     with pytest.raises(OSError, match="wmem_max"):

@@ -18,21 +18,19 @@ from sharedmp.channels import connection, context, queues
 
 import _channel_workers as cw
 import _process_workers as w
-from conftest import TIMEOUT, join_or_kill
+from conftest import FORK_AND_SPAWN, START_METHODS, TIMEOUT, join_or_kill
 
-METHODS = ["spawn", "fork", "forkserver"]
 OVERRIDDEN = {"Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Pool", "Process", "get_context"}
 
 
 # -- contexts ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", METHODS)
-def test_context_factories_are_sharedmp(method):
-    ctx = mp.get_context(method)
-    std = multiprocessing.get_context(method)
+def test_context_factories_are_sharedmp(start_method):
+    ctx = mp.get_context(start_method)
+    std = multiprocessing.get_context(start_method)
     assert isinstance(ctx, type(std))                    # usable wherever the standard one is
-    assert ctx.get_start_method() == method
-    assert mp.get_context(method) is ctx
+    assert ctx.get_start_method() == start_method
+    assert mp.get_context(start_method) is ctx
     assert ctx.get_context() is ctx
     assert ctx.get_context("spawn") is mp.get_context("spawn")
     assert type(ctx.Queue()) is queues.Queue
@@ -102,16 +100,16 @@ def test_every_multiprocessing_name_is_exported():
         assert getattr(mp, name) is getattr(multiprocessing, name), name
     for name in OVERRIDDEN:
         assert getattr(mp, name) is not getattr(multiprocessing, name), name
-    for name in ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool", "Process", "get_context"):
+    for name in ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool", "Process",
+                 "get_context"):
         assert getattr(mp, name).__module__ == "sharedmp.channels.context"
 
 
 # -- channels in children ------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", METHODS)
-def test_channels_as_process_arguments(method):
+def test_channels_as_process_arguments(start_method):
     """spawn/forkserver: pickled while spawning (DupFd); fork: inherited."""
-    ctx = mp.get_context(method)
+    ctx = mp.get_context(start_method)
     q, sq, jq = ctx.Queue(), ctx.SimpleQueue(), ctx.JoinableQueue()
     mine, theirs = ctx.Pipe()
     reader, writer = ctx.Pipe(duplex=False)
@@ -188,9 +186,8 @@ def test_a_forkserver_child_attaches_named_arguments_with_its_parents_daemon():
     assert out.tolist() == [1, 2] and os.path.exists(name)
 
 
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_default_strategy_in_children(method):
-    ctx = mp.get_context(method)
+def test_default_strategy_in_children(start_method):
+    ctx = mp.get_context(start_method)
     q, done = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=cw.strategy_child, args=(q, done), daemon=True)
     p.start()
@@ -210,7 +207,11 @@ def test_default_strategy_in_children(method):
 
 # -- Pool ----------------------------------------------------------------------------------
 
-POOLS = ["spawn", "fork", "default"]
+# A Pool of each start method's context, and the module-level mp.Pool (the default method).
+POOLS = [*START_METHODS, "default"]
+# A worker per task: under forkserver (each worker imports sharedmp again, as under spawn)
+# that is 4 s more for little; fork and spawn are the two ends.
+POOLS_OF_MANY_WORKERS = [*FORK_AND_SPAWN, "default"]
 
 
 def make_pool(which, *args, **kwargs):
@@ -271,7 +272,7 @@ def test_pool_initializer(which):
         del got
 
 
-@pytest.mark.parametrize("which", POOLS)
+@pytest.mark.parametrize("which", POOLS_OF_MANY_WORKERS)
 def test_pool_maxtasksperchild_1(which):
     with make_pool(which, 2, maxtasksperchild=1) as pool:
         got = pool.map_async(cw.pid_and_full, range(20), chunksize=1).get(TIMEOUT)
@@ -298,7 +299,8 @@ def test_process_pool_executor_with_a_sharedmp_context():
         got = list(ex.map(cw.double, [np.arange(3) + i for i in range(5)], timeout=TIMEOUT))
         assert [g.tolist() for g in got] == [[2 * (j + i) for j in range(3)] for i in range(5)]
         made = list(ex.map(cw.make_full_shared, range(3), timeout=TIMEOUT))
-        assert all(s and mp.is_shared(m) and m.tolist() == [i] * 3 for i, (s, m) in enumerate(made))
+        assert all(s and mp.is_shared(m) and m.tolist() == [i] * 3
+                   for i, (s, m) in enumerate(made))
         target = mp.zeros(6)
         list(ex.map(cw.write_into, [target] * 6, range(6), timeout=TIMEOUT))
         assert target.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]

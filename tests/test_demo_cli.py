@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from sharedmp.cli import main  # noqa: E402
+from _helpers import children  # noqa: E402
 from conftest import group_gone, run_bounded  # noqa: E402
 
 TIMEOUT = 90           # seconds for a CLI subprocess
@@ -179,13 +180,6 @@ def test_ctrl_c_stops_everything(tmp_path):
         time.sleep(0.05)
     assert not left
 
-
-def children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return f.read().split()
-    except OSError:
-        return []
 
 
 def test_failing_worker_exits_1_with_its_traceback(monkeypatch, capsys):

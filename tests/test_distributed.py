@@ -23,6 +23,7 @@ import torch.distributed  # noqa: E402
 
 from sharedmp import distributed  # noqa: E402
 from sharedmp.cli import main  # noqa: E402
+from _helpers import children  # noqa: E402
 from conftest import group_gone  # noqa: E402
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
@@ -250,13 +251,6 @@ def wait_for_workers(proc):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
 
-
-def children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
-    except OSError:
-        return []
 
 
 def rank_of(pid):

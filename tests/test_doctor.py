@@ -11,6 +11,7 @@ import pytest
 
 import sharedmp
 from sharedmp.cli import doctor as doctor_mod
+from sharedmp.memory import daemon, leftovers, segment
 from sharedmp.memory.segment import PREFIX, SHM_DIR_ENV
 from sharedmp.strategy import ENV as STRATEGY_ENV
 
@@ -211,20 +212,47 @@ def test_find_leftovers_and_clean_in_process(tmp_path):
     with open(busy, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 4096)
     try:
-        found = doctor_mod.find_leftovers(directory)
+        found = leftovers.find_leftovers(directory)
         assert sorted(p for p, _, _ in found) == sorted([leftover, young])
         size = {p: s for p, s, _ in found}
         assert size[leftover] == 12345
-        assert [p for p, _, _ in doctor_mod.find_leftovers(directory, min_age=60)] == [leftover]
-        assert doctor_mod.clean(directory, min_age=60) == [leftover]
+        assert [p for p, _, _ in leftovers.find_leftovers(directory, min_age=60)] == [leftover]
+        assert leftovers.clean(directory, min_age=60) == [leftover]
         assert not os.path.exists(leftover) and os.path.exists(young) and os.path.exists(busy)
-        assert doctor_mod.clean(directory) == [young]
-        assert doctor_mod.clean(directory) == []
+        assert leftovers.clean(directory) == [young]
+        assert leftovers.clean(directory) == []
         assert os.path.exists(busy)
     finally:
         mm.close()
-    assert doctor_mod.clean(directory) == [busy]
-    assert doctor_mod.find_leftovers(str(tmp_path / "missing")) == []
+    assert leftovers.clean(directory) == [busy]
+    assert leftovers.find_leftovers(str(tmp_path / "missing")) == []
+
+
+@linux_only
+def test_in_use_of_any_file_and_proc_stat(tmp_path):
+    """The scanner bench uses for /dev/shm: any file (torch's too), held by an fd or a mapping."""
+    held, mapped, idle = (tmp_path / f"{kind}_{secrets.token_hex(8)}" for kind in ("torch", "x", "y"))
+    for p in (held, mapped, idle):
+        p.write_bytes(b"\0" * 4096)
+    fd = os.open(held, os.O_RDONLY)
+    raw = MapOnly(str(mapped))
+    try:
+        assert leftovers.in_use([str(held), str(mapped), str(idle)]) == {str(held), str(mapped)}
+    finally:
+        os.close(fd)
+        raw.close()
+    assert leftovers.in_use([str(held), str(mapped), str(idle)]) == set()
+    st = leftovers.proc_stat(os.getpid())
+    assert st.alive and st.pgrp == os.getpgrp() and st.ppid == os.getppid()
+    assert os.getpid() in leftovers.pids() and leftovers.proc_stat(-1) is None
+
+
+def test_one_segment_name_pattern():
+    """The daemon, a stdlib-only script, cannot import segment.py: its copy of the pattern must
+    stay the same, or it would refuse (never unlink) the names segment.py makes."""
+    assert daemon.NAME_RE.pattern == segment.NAME_RE.pattern
+    name = PREFIX + secrets.token_hex(10)
+    assert segment.NAME_RE.match(name) and not segment.NAME_RE.match(name + "0")
 
 
 _HOLDER = """

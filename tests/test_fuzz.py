@@ -37,6 +37,7 @@ from sharedmp.memory import manager, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
 
 from test_hostile_frames import InBandSegment, _target      # the same helpers
+from conftest import open_fds
 
 # The suite's runs are derandomized (the same 300 cases each time: CI must not fail by the
 # luck of the draw); SHAREDMP_FUZZ_EXAMPLES=N explores N fresh random cases.
@@ -53,13 +54,6 @@ def extent(start, shape, strides, itemsize):
     low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
     high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + itemsize
     return low, high
-
-
-def open_fds(collect=False):
-    segment.forget_recent()          # attached segments kept mapped on purpose are not leaks
-    if collect:
-        gc.collect()
-    return set(os.listdir("/proc/self/fd"))
 
 
 class Named:

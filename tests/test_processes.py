@@ -22,6 +22,7 @@ from sharedmp.errors import ProcessException
 from sharedmp.processes import pdeath
 
 import _process_workers as w
+from _helpers import proc_stat as _stat
 from conftest import TIMEOUT, join_or_kill
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -29,17 +30,6 @@ DRIVER = os.path.join(HERE, "_orphan_driver.py")
 
 
 # -- /proc helpers ---------------------------------------------------------------------------
-
-def _stat(pid):
-    """(state, ppid, start time) of ``pid``, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[1]), int(fields[19])
-
 
 def descendants(root):
     """{pid: start time} of every process below ``root`` now."""

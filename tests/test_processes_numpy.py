@@ -16,11 +16,7 @@ from sharedmp.arrays import mapping_of
 from sharedmp.memory import arena, recycle, segment
 
 import _workers as w
-from conftest import TIMEOUT, join_or_kill
-
-
-def _ptr(a):
-    return a.__array_interface__["data"][0]
+from conftest import TIMEOUT, data_ptr, join_or_kill, segment_memfds
 
 
 def test_child_writes_into_parent_array(ctx):
@@ -92,13 +88,13 @@ def test_same_array_twice_same_pointer_and_back_home_same_memory():
         kind, ptrs = w.recv(p, conn)
         assert kind == "ptrs"
         assert ptrs[0] == ptrs[1]                              # same memory, same pointer
-        assert ptrs[2] - ptrs[0] == _ptr(a[100:200]) - _ptr(a)  # and views relative to it
-        assert ptrs[4] - ptrs[3] == _ptr(big[::-1]) - _ptr(big)
+        assert ptrs[2] - ptrs[0] == data_ptr(a[100:200]) - data_ptr(a)  # and views relative to it
+        assert ptrs[4] - ptrs[3] == data_ptr(big[::-1]) - data_ptr(big)
         back = [w.recv(p, conn) for _ in sent]
         done.set()
         assert w.result(p, conn) is None
         for x, y in zip(sent, back):      # received back here: the very same memory
-            assert _ptr(x) == _ptr(y) and x.strides == y.strides
+            assert data_ptr(x) == data_ptr(y) and x.strides == y.strides
             assert mapping_of(x)[0] is mapping_of(y)[0]
         back[0][0] = 42
         assert a[0] == 42
@@ -107,19 +103,14 @@ def test_same_array_twice_same_pointer_and_back_home_same_memory():
 
 
 def _shm_entries():
-    """sharedmp's names in the shared-memory directory (multiprocessing's sem.mp-* are not ours)."""
+    """sharedmp's names in the shared-memory directory (multiprocessing's sem.mp-* are not
+    ours)."""
     return {n for n in os.listdir(segment.shm_dir()) if n.startswith(segment.PREFIX)}
 
 
 def _memfd_fds():
-    out = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:sharedmp"):
-                out.add(os.stat(f"/proc/self/fd/{name}").st_ino)
-        except OSError:
-            pass
-    return out
+    """The inodes of this process's fds on sharedmp memfds."""
+    return set(segment_memfds().values())
 
 
 def _memfd_maps():
@@ -132,10 +123,8 @@ def _arena_inodes():
             if segment.segment_of(a.mapping).kind == "file_descriptor"}
 
 
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_file_descriptor_leaves_nothing_behind(method):
+def test_file_descriptor_leaves_nothing_behind(ctx):
     mp.set_sharing_strategy("file_descriptor")
-    ctx = multiprocessing.get_context(method)
     shm_before = _shm_entries()
     fds_before, maps_before = _memfd_fds(), _memfd_maps()
 

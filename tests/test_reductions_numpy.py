@@ -20,10 +20,7 @@ from sharedmp.reductions import ndarray as red_ndarray
 from sharedmp.reductions import segment as red_segment
 
 import _workers as w
-
-
-def _ptr(a):
-    return a.__array_interface__["data"][0]
+from conftest import data_ptr
 
 
 def _make_bases(alloc):
@@ -124,14 +121,8 @@ def _dumps_loads_in_band(obj):
         fdpass.swap(prev)
 
 
-@pytest.fixture(params=["file_descriptor", "file_system"])
-def strategy(request):
-    mp.set_sharing_strategy(request.param)   # conftest restores the environment
-    return request.param
-
-
 @pytest.mark.parametrize("transport", ["dupfd", "in-band"])
-def test_views_round_trip_in_process(strategy, transport):
+def test_views_round_trip_in_process(sharing_strategy, transport):
     bases = _make_bases(mp.zeros)
     cases = _cases(bases)
     views = [v for _, v in cases]
@@ -139,12 +130,13 @@ def test_views_round_trip_in_process(strategy, transport):
         got = _dumps_loads_dupfd(views)
     else:
         got, nfds = _dumps_loads_in_band(views)
-        assert nfds == (2 if strategy == "file_descriptor" else 0)  # one per segment (arena + big)
+        # one per segment (arena + big)
+        assert nfds == (2 if sharing_strategy == "file_descriptor" else 0)
     for (key, v), r, name in zip(cases, got, VIEW_IDS):
         _assert_same(r, v, name)
         assert mp.is_shared(r), name
         # received in its own process: the same memory, at the same address
-        assert _ptr(r) == _ptr(v), name
+        assert data_ptr(r) == data_ptr(v), name
         assert mapping_of(r)[0] is mapping_of(v)[0], name
         if v.size:
             assert np.shares_memory(r, bases[key]), name
@@ -152,7 +144,7 @@ def test_views_round_trip_in_process(strategy, transport):
     assert bases["f8"][0, 0] == 1234.5
 
 
-def test_views_round_trip_across_spawn(strategy):
+def test_views_round_trip_across_spawn(sharing_strategy):
     ctx = multiprocessing.get_context("spawn")
     bases = _make_bases(mp.zeros)
     cases = _cases(bases)
@@ -164,7 +156,7 @@ def test_views_round_trip_across_spawn(strategy):
         assert rep["shared"], name
         assert rep["aliases_base"] == bool(v.size), name
         if v.size:                             # same layout relative to the base
-            assert rep["offset_in_base"] == _ptr(v) - _ptr(bases[key]), name
+            assert rep["offset_in_base"] == data_ptr(v) - data_ptr(bases[key]), name
     # the child wrote through every writable view: replay the writes on a copy
     ref = before
     w.poke_all([make(ref[key]) for key, _, make in VIEWS])
@@ -248,14 +240,14 @@ def test_same_memory_in_one_message_is_one_segment_reference():
     got, nfds = _dumps_loads_in_band(msg)
     assert nfds == 1
     assert got[0] is got[3]                    # pickle's memo: the same object twice
-    assert _ptr(got[2]) == _ptr(a[::-1])
+    assert data_ptr(got[2]) == data_ptr(a[::-1])
 
 
 def test_same_array_sent_twice_arrives_at_same_pointer():
     a = mp.zeros((1 << 17) + 1)                # own segment
     r1 = _dumps_loads_dupfd(a)
     r2 = _dumps_loads_dupfd(a)
-    assert _ptr(r1) == _ptr(r2) == _ptr(a)
+    assert data_ptr(r1) == data_ptr(r2) == data_ptr(a)
     assert mapping_of(r1)[0] is mapping_of(r2)[0]
 
 
@@ -302,7 +294,7 @@ def test_file_system_reduces_to_the_name():
     data = ForkingPickler.dumps(a)
     assert seg.name.encode() in bytes(data)
     r = pickle.loads(data)                     # no fds involved: plain pickle rebuilds it
-    assert _ptr(r) == _ptr(a)
+    assert data_ptr(r) == data_ptr(a)
     del r
 
 

@@ -20,28 +20,13 @@ from sharedmp.errors import OutOfSharedMemory, SegmentError
 from sharedmp.memory import recycle, segment
 
 import _workers as w
-from conftest import eventually
+from conftest import eventually, fds_on, memfd_maps
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
-def _fds_to(key):
-    """This process's fds on the file (st_dev, st_ino) == key."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            st = os.stat(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) == key:
-            out.append(int(name))
-    return out
-
-
 def _mapped(key):
-    with open("/proc/self/maps") as f:
-        return any(len(p := line.split()) >= 6 and "memfd:" in line and int(p[4]) == key[1]
-                   for line in f)
+    return bool(memfd_maps(key))
 
 
 # -- memfd ----------------------------------------------------------------------------
@@ -70,16 +55,16 @@ def test_last_view_releases_fd_and_mapping():
     view2 = view[10:]
     del mm
     gc.collect()
-    assert _fds_to(key) and _mapped(key)                   # views keep it alive
+    assert fds_on(key) and _mapped(key)                   # views keep it alive
     del view
     gc.collect()
-    assert _fds_to(key) and _mapped(key)
+    assert fds_on(key) and _mapped(key)
     del view2
     gc.collect()
     assert seg.fd == -1 and seg not in segment.live_segments()
     assert recycle.kept()[0] >= 1 and _mapped(key)        # kept, mapped, for reuse by this process
     recycle.clear()
-    assert not _fds_to(key), "fd of the segment still open after it was let go"
+    assert not fds_on(key), "fd of the segment still open after it was let go"
     assert not _mapped(key), "segment still mapped after it was let go"
 
 
@@ -118,13 +103,13 @@ def test_attach_fd_maps_a_sealed_memfd_once_and_releases_it():
     a[:] = 3
     del mm
     gc.collect()
-    assert _fds_to(key)
+    assert fds_on(key)
     del a
     gc.collect()
-    assert _fds_to(key), "a small received segment stays among the recent ones"
+    assert fds_on(key), "a small received segment stays among the recent ones"
     segment.forget_recent()
     gc.collect()
-    assert not _fds_to(key) and not _mapped(key)
+    assert not fds_on(key) and not _mapped(key)
 
 
 @pytest.mark.parametrize("size,seals", [

@@ -4,7 +4,6 @@ The run itself (producers and consumers under random SIGKILLs, both strategies) 
 subprocess, bounded; everything it reports as a problem fails the test.
 """
 import json
-import os
 import subprocess
 import sys
 

@@ -84,6 +84,14 @@ def test_reducers_registered_after_torchs_whichever_comes_first(first):
     assert out.split() == ["True", "False", "SourceFileLoader", "SourceFileLoader"]
 
 
+def test_asking_whether_torch_is_installed_does_not_lose_the_registration():
+    # importlib.util.find_spec("torch") (libraries' is_torch_available()) goes through the
+    # waiting finder; its spec is thrown away: the finder must wait for the real import.
+    out = _python("import importlib.util, sharedmp\n"
+                  "assert importlib.util.find_spec('torch') is not None\n" + CHECK)
+    assert out.split() == ["True", "False", "SourceFileLoader", "SourceFileLoader"]
+
+
 def test_torch_first_imported_by_unpickling_a_tensor():
     # A spawned child whose first contact with torch is the tensor it unpickles: the
     # rebuild function's module imports torch, which registers sharedmp's reducers.

@@ -101,7 +101,8 @@ def test_timeout_stops_the_workers(digits):
 
 
 def test_workers_that_ignore_the_stop_are_killed(digits, monkeypatch):
-    monkeypatch.setattr(training, "STOP_GRACE", 1.0)
+    from sharedmp.hogwild import trainer
+    monkeypatch.setattr(trainer, "STOP_GRACE", 1.0)
     with pytest.raises(TimeoutError, match="within 8"):
         training.train(misbehaving(digits, "hang", after=0), digits, workers=2, epochs=1,
                        progress=False, timeout=8)

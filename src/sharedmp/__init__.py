@@ -12,11 +12,13 @@ from . import registry as _registry
 from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
 # (mypy keeps multiprocessing's types for the names below, as torch.multiprocessing's users see
 # them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)
-from .channels.context import JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context  # type: ignore[assignment]
+from .channels.context import (  # type: ignore[assignment]
+    JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context)
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessExitedException, ProcessRaisedException
 from .memory.cache import empty as empty_cache
-from .processes.spawn import ENV_VAR_PARALLEL_START as ENV_VAR_PARALLEL_START  # (not in __all__, as in torch)
+# (not in __all__, as in torch)
+from .processes.spawn import ENV_VAR_PARALLEL_START as ENV_VAR_PARALLEL_START
 from .processes.spawn import ProcessContext, spawn, start_processes
 from .processes.spawn import SpawnContext as SpawnContext  # torch's old name (not in __all__)
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy

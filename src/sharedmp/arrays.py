@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Sequence, SupportsIndex, TypeVar, Union, overload
+from typing import (
+    TYPE_CHECKING, Any, Literal, Protocol, Sequence, SupportsIndex, TypeVar, Union, overload)
 
 import numpy as np
 
@@ -54,7 +55,8 @@ def _shape(shape: Any) -> tuple[int, ...]:
     return shape  # type: ignore[no-any-return]  # (a tuple of ints by now)
 
 
-_checked: dict[Any, np.dtype[Any]] = {}   # a dtype argument seen before (float, "f4", np.float32, ...) -> its np.dtype
+# a dtype argument seen before (float, "f4", np.float32, ...) -> its np.dtype
+_checked: dict[Any, np.dtype[Any]] = {}
 
 
 def _plain_dtype(dtype: DTypeLike | None) -> np.dtype[Any]:
@@ -64,8 +66,8 @@ def _plain_dtype(dtype: DTypeLike | None) -> np.dtype[Any]:
         pass
     checked = np.dtype(dtype)
     if checked.hasobject:
-        raise TypeError(f"dtype {checked} holds Python objects, which cannot live in shared memory; "
-                        "use a numeric, bool, string or structured dtype without objects")
+        raise TypeError(f"dtype {checked} holds Python objects, which cannot live in shared "
+                        "memory; use a numeric, bool, string or structured dtype without objects")
     if len(_checked) < 256:
         try:
             _checked[dtype] = checked
@@ -74,25 +76,28 @@ def _plain_dtype(dtype: DTypeLike | None) -> np.dtype[Any]:
     return checked
 
 
-def empty(shape: ShapeLike, dtype: DTypeLike = float, order: Literal["C", "F"] = "C") -> NDArray[Any]:
+def empty(shape: ShapeLike, dtype: DTypeLike = float,
+          order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A shared array of ``shape`` and ``dtype``; its contents are zero (as ``zeros``:
     fresh memory is zero, and recycled memory is zeroed at about memset speed)."""
     return _new(shape, dtype, order, True)
 
 
-def _new(shape: ShapeLike, dtype: DTypeLike | None, order: Literal["C", "F"], zero: bool) -> NDArray[Any]:
+def _new(shape: ShapeLike, dtype: DTypeLike | None, order: Literal["C", "F"],
+         zero: bool) -> NDArray[Any]:
     shape, dtype = _shape(shape), _plain_dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     mapping, offset = arena.allocate(nbytes, get_sharing_strategy(), zero)
     a: NDArray[Any]              # (typed here: numpy's stubs make ndarray() Any on Python 3.10)
-    if order == "C":             # (the default, passed on, costs a third of the call)
+    if order == "C":             # (the default, passed on, slows the call down)
         a = np.ndarray(shape, dtype, buffer=mapping, offset=offset)
         return a
     a = np.ndarray(shape, dtype, buffer=mapping, offset=offset, order=order)
     return a
 
 
-def zeros(shape: ShapeLike, dtype: DTypeLike = float, order: Literal["C", "F"] = "C") -> NDArray[Any]:
+def zeros(shape: ShapeLike, dtype: DTypeLike = float,
+          order: Literal["C", "F"] = "C") -> NDArray[Any]:
     """A shared array of zeros."""
     return empty(shape, dtype, order)
 
@@ -121,7 +126,8 @@ def _torch_of(obj: object) -> _TorchReductions | None:
 def empty_like(a: torch.Tensor, dtype: torch.dtype | None = None,
                shape: Sequence[int] | None = None) -> torch.Tensor: ...
 @overload
-def empty_like(a: ArrayLike, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> NDArray[Any]: ...
+def empty_like(a: ArrayLike, dtype: DTypeLike | None = None,
+               shape: ShapeLike | None = None) -> NDArray[Any]: ...
 def empty_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
     """A shared array with the shape and dtype of ``a`` (a torch tensor: a shared CPU tensor)."""
     torch = sys.modules.get("torch")
@@ -136,7 +142,8 @@ def empty_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
 def zeros_like(a: torch.Tensor, dtype: torch.dtype | None = None,
                shape: Sequence[int] | None = None) -> torch.Tensor: ...
 @overload
-def zeros_like(a: ArrayLike, dtype: DTypeLike | None = None, shape: ShapeLike | None = None) -> NDArray[Any]: ...
+def zeros_like(a: ArrayLike, dtype: DTypeLike | None = None,
+               shape: ShapeLike | None = None) -> NDArray[Any]: ...
 def zeros_like(a: Any, dtype: Any = None, shape: Any = None) -> Any:
     """A shared array of zeros with the shape and dtype of ``a``."""
     return empty_like(a, dtype, shape)
@@ -148,7 +155,8 @@ def share(obj: _ArrayT) -> _ArrayT: ...
 def share(obj: _TorchT) -> _TorchT: ...
 def share(obj: Any) -> Any:
     """``obj`` in shared memory: a NumPy array is copied once (or returned if already shared);
-    a torch tensor (storage, module, optimizer) moves in place, as ``share_memory_``, and is returned."""
+    a torch tensor (storage, module, optimizer) moves in place, as ``share_memory_``, and is
+    returned."""
     if isinstance(obj, np.ndarray):
         return obj if mapping_of(obj)[1] is not None else copy_to_shared(obj)
     t = _torch_of(obj)
@@ -161,8 +169,8 @@ def share_memory_(obj: _TorchT) -> _TorchT:
     """Move ``obj`` into shared memory in place: torch tensors, storages, modules (parameters,
     their ``.grad``, buffers) and optimizers (parameters and state, initialised eagerly)."""
     if isinstance(obj, np.ndarray):
-        raise TypeError("a NumPy array cannot move into shared memory in place (its buffer is fixed); "
-                        "use `a = mp.share(a)`, which returns a shared copy")
+        raise TypeError("a NumPy array cannot move into shared memory in place (its buffer is "
+                        "fixed); use `a = mp.share(a)`, which returns a shared copy")
     t = _torch_of(obj)
     if t is not None:
         return t.share_memory_(obj)

@@ -114,7 +114,7 @@ class SharedmpBackend(MultiprocessingBackend):  # type: ignore[misc]  # joblib h
         self._readonly = mmap_mode not in ("r+", "w+")
         ctx = self._context(context)
         # (joblib's multiprocessing backend runs gc.collect() here, "to free memory before
-        # forking": 0.1 s per call once torch and scikit-learn are imported. Not done.)
+        # forking": a slow call once torch and scikit-learn are imported. Not done.)
         self._pool = ctx.Pool(n_jobs, **pool_options)
         self.parallel = parallel
         return n_jobs

@@ -14,7 +14,8 @@ whichever of the two is imported first:
 - otherwise a finder at the front of ``sys.meta_path`` waits for the import, finds the
   module's spec with the other finders and wraps its loader, so that the installation runs
   right after the module has executed; then it steps aside (the module gets its own loader
-  back, the finder leaves ``sys.meta_path``).
+  back, the finder leaves ``sys.meta_path``). Finding the spec alone
+  (``importlib.util.find_spec``) installs nothing and leaves the finder waiting.
 
 The torch reducers live in ``reductions/torch/``, whose package imports torch before any of
 its modules runs: a pickle that names one of them imports torch first, which installs them.
@@ -120,11 +121,16 @@ def _when_torch_is_imported(then: Callable[[], None]) -> None:
 
 
 class _AfterImport:
-    """A meta path finder that finds nothing itself: it wraps the loader of module ``name``."""
+    """A meta path finder that finds nothing itself: it wraps the loader of module ``name``.
+
+    It stays on ``sys.meta_path`` until the module is executed, not merely found:
+    ``importlib.util.find_spec("torch")`` (how libraries ask whether torch is installed)
+    goes through this finder too, and its spec is thrown away."""
 
     def __init__(self, name: str, then: Callable[[], None]) -> None:
         self.name = name
         self.then = then
+        self.done = False
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != self.name:
@@ -138,11 +144,16 @@ class _AfterImport:
             return None                   # not installed (yet): keep waiting
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        # Leave only now: removing ourselves while the import system iterates sys.meta_path
-        # is safe because we return a spec, which ends its iteration.
-        sys.meta_path.remove(self)
-        spec.loader = _RunAfter(spec.loader, self.then)
+        spec.loader = _RunAfter(spec.loader, self._imported)
         return spec
+
+    def _imported(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self in sys.meta_path:          # (not iterated now: the module has executed)
+            sys.meta_path.remove(self)
+        self.then()
 
 
 class _RunAfter:

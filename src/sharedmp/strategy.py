@@ -30,11 +30,12 @@ def _check(name: str, where: str) -> str:
     return name
 
 
-_current: str | None = None   # cached: reading os.environ costs a microsecond per allocation
+_current: str | None = None   # cached: reading os.environ on every allocation is not free
 
 
 def get_sharing_strategy() -> str:
-    """The current strategy: set_sharing_strategy(), else $SHAREDMP_SHARING_STRATEGY, else the default."""
+    """The current strategy: set_sharing_strategy(), else $SHAREDMP_SHARING_STRATEGY, else the
+    default."""
     global _current
     if _current is None:
         name = os.environ.get(ENV)

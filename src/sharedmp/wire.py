@@ -40,7 +40,8 @@ class Fds(list[int]):
 
     __slots__ = ("keep", "flight")
 
-    def __init__(self) -> None:           # (list's own __init__ has nothing to do for an empty list)
+    # (list's own __init__ has nothing to do for an empty list)
+    def __init__(self) -> None:
         self.keep: list[object] = []
         self.flight = 0                   # bytes copied into shared memory for this message
 

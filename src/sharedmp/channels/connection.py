@@ -48,8 +48,8 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
     if granted < 2 * fdpass.RECORD:
         a.close()
         b.close()
-        raise OSError(f"the kernel grants socket buffers of {granted} bytes, and sharedmp's channels need "
-                      f"{2 * fdpass.RECORD}: raise net.core.wmem_max (sysctl)")
+        raise OSError(f"the kernel grants socket buffers of {granted} bytes, and sharedmp's "
+                      f"channels need {2 * fdpass.RECORD}: raise net.core.wmem_max (sysctl)")
     return a, b
 
 
@@ -186,18 +186,21 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
 
 # A Connection pickles as its socket: in band on a sharedmp channel, else as a DupFd
 # (while spawning it goes along with the child's fds, as multiprocessing's does).
-def reduce_connection(conn: Connection) -> tuple[Callable[..., Connection], tuple[Any, bool, bool]]:
+def reduce_connection(
+        conn: Connection) -> tuple[Callable[..., Connection], tuple[Any, bool, bool]]:
     oob = wire.current()
     if oob is not None:
         return rebuild_connection_in_band, (oob.add(conn.fileno()), conn.readable, conn.writable)
     return rebuild_connection, (DupFd(conn.fileno()), conn.readable, conn.writable)
 
 
-def rebuild_connection(dupfd: Any, readable: bool, writable: bool) -> Connection:  # (what DupFd() made)
+# (dupfd: what DupFd() made)
+def rebuild_connection(dupfd: Any, readable: bool, writable: bool) -> Connection:
     return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
 
 
 def rebuild_connection_in_band(index: int, readable: bool, writable: bool) -> Connection:
-    fd = os.dup(wire.current().get(index))  # type: ignore[union-attr]  # (a sharedmp channel unpickles)
+    # (a sharedmp channel unpickles)
+    fd = os.dup(wire.current().get(index))  # type: ignore[union-attr]
     return Connection(socket.socket(fileno=fd), readable, writable)
 

@@ -125,7 +125,8 @@ class _Channels(_ContextBase):
         return Pipe(duplex)
 
     def Pool(self, processes: int | None = None, initializer: Callable[..., object] | None = None,
-             initargs: Iterable[Any] = (), maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
+             initargs: Iterable[Any] = (),
+             maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
         """multiprocessing.pool.Pool whose task and result queues are sharedmp's."""
         return multiprocessing.pool.Pool(processes, initializer, initargs, maxtasksperchild,
                                          context=self)
@@ -179,7 +180,8 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
 
 
 def Pool(processes: int | None = None, initializer: Callable[..., object] | None = None,
-         initargs: Iterable[Any] = (), maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
+         initargs: Iterable[Any] = (),
+         maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
     return get_context().Pool(processes, initializer, initargs, maxtasksperchild)
 
 

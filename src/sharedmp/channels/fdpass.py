@@ -65,7 +65,8 @@ _DONTWAIT = int(socket.MSG_DONTWAIT)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)      # plain ints: enum flag arithmetic is slow
 _MSG_TRUNC = int(socket.MSG_TRUNC)
 _SOL_SOCKET, _SCM_RIGHTS = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
-_FDS = [struct.Struct(f"{n}i") for n in range(MAX_FDS_PER_MSG + 1)]   # the fds of a record, by count
+# the fds of a record, by count
+_FDS = [struct.Struct(f"{n}i") for n in range(MAX_FDS_PER_MSG + 1)]
 
 
 def _rights(fds):
@@ -95,8 +96,9 @@ def _sendmsg(sock, buffers, fds, block=True):
         delay = min(2 * delay, 0.02)
 
 
-def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0,
-               window: Window | None = None, flight: int | None = None) -> None:
+def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (),
+               flags: int = 0, window: Window | None = None,
+               flight: int | None = None) -> None:
     """Send one frame as one record (blocking while the socket is full), then, with a
     ``window``, while the flight of its messages passes it. ``flight``: the bytes this
     message copied into shared memory (default: ``fds.flight``)."""
@@ -111,7 +113,8 @@ def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] 
         # once recycled, where a memfd per message would cost a page fault per 4 KiB.
         mapping, offset = arena.allocate(length, "file_descriptor", zero=False)
         mapping[offset:offset + length] = payload          # (``mapping`` lives until sent)
-        extra.append(segment.segment_of(mapping).fd)  # type: ignore[union-attr]  # the payload's fd comes last
+        # the payload's fd comes last
+        extra.append(segment.segment_of(mapping).fd)  # type: ignore[union-attr]
         payload, flags, flight = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD, flight + length
     token = window.token(flight) if window is not None else None
     if token is not None:
@@ -119,7 +122,8 @@ def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] 
         flags |= FLIGHT_TOKEN
     try:
         on_socket = nfds + len(extra) > MAX_FDS_PER_MSG
-        header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if on_socket else 0), nfds, length)
+        header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if on_socket else 0), nfds,
+                             length)
         if not on_socket:
             _sendmsg(sock, [header, payload], [*fds, *extra])
         else:
@@ -146,7 +150,8 @@ def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), f
     if window is not None and not window.untracked(flight):
         return False
     try:
-        _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload)), payload], fds, block=False)
+        _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload)), payload], fds,
+                 block=False)
     except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
         return False                  # queued whole or not at all, so nothing went out
     if window is not None:
@@ -164,7 +169,8 @@ def _fds_socket(fds):
                 _sendmsg(w, [b"+"], fds[i:i + MAX_FDS_PER_MSG])
             except BlockingIOError:
                 raise OSError(f"a message referencing {len(fds)} segments is too many to send: "
-                              "send fewer arrays at a time, or arrays that share segments") from None
+                              "send fewer arrays at a time, or arrays that share "
+                              "segments") from None
         return r.detach()
     finally:
         w.close()
@@ -181,7 +187,8 @@ def _take_fds(ancdata, msg_flags, fds):
                             "receiver's fd limit is too low (raise it with `ulimit -n`)")
 
 
-def recv_frame(sock: socket.socket, block: bool = True) -> tuple[bytes | bytearray, list[int], int]:
+def recv_frame(sock: socket.socket,
+               block: bool = True) -> tuple[bytes | bytearray, list[int], int]:
     """Receive one frame: (payload, fds, kind). EOFError on a clean end of stream;
     BlockingIOError if ``block`` is false and no frame is there."""
     fds: list[int] = []
@@ -195,15 +202,18 @@ def recv_frame(sock: socket.socket, block: bool = True) -> tuple[bytes | bytearr
             raise ProtocolError(f"a record longer than {RECORD} bytes: the peer is not a sharedmp "
                                 "channel of this version")
         if len(data) < HEADER.size:
-            raise ProtocolError(f"a record of {len(data)} bytes, shorter than a frame header: the peer is "
-                                "not a sharedmp channel of this version")
+            raise ProtocolError(f"a record of {len(data)} bytes, shorter than a frame header: the "
+                                "peer is not a sharedmp channel of this version")
         magic, version, flags, nfds, length = HEADER.unpack_from(data)
         if magic != MAGIC or version != VERSION:
-            raise ProtocolError(f"not a sharedmp frame (header {bytes(data[:HEADER.size])!r}): the peer "
-                                "is not a sharedmp channel of this version, or the stream is corrupt")
+            raise ProtocolError(f"not a sharedmp frame (header {bytes(data[:HEADER.size])!r}): "
+                                "the peer is not a sharedmp channel of this version, or the "
+                                "stream is corrupt")
         if nfds > MAX_FDS or length > MAX_PAYLOAD:
-            raise ProtocolError(f"frame announces {nfds} fds and {length} bytes: over the sane bounds")
-        in_memfd, on_socket, token = flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET, flags & FLIGHT_TOKEN
+            raise ProtocolError(f"frame announces {nfds} fds and {length} bytes: over the sane "
+                                "bounds")
+        in_memfd, on_socket, token = (flags & PAYLOAD_IN_MEMFD, flags & FDS_ON_SOCKET,
+                                      flags & FLIGHT_TOKEN)
         expected = (1 if on_socket else nfds) + (1 if in_memfd else 0) + (1 if token else 0)
         if len(fds) != expected:
             raise ProtocolError(f"frame announces {nfds} fds{' on a socket' if on_socket else ''}"
@@ -213,12 +223,13 @@ def recv_frame(sock: socket.socket, block: bool = True) -> tuple[bytes | bytearr
         got = len(data) - HEADER.size
         if in_memfd:
             if got != _OFFSET.size:
-                raise ProtocolError(f"a frame with its payload in a memfd carries {got} bytes instead of "
-                                    "the payload's offset there")
+                raise ProtocolError(f"a frame with its payload in a memfd carries {got} bytes "
+                                    "instead of the payload's offset there")
             payload = _payload_of(fds.pop(), _OFFSET.unpack_from(data, HEADER.size)[0], length)
         elif got != length:
-            raise ProtocolError(f"a frame's record carries {got} payload bytes, its header announces "
-                                f"{length}: the peer is not a sharedmp channel, or the stream is corrupt")
+            raise ProtocolError(f"a frame's record carries {got} payload bytes, its header "
+                                f"announces {length}: the peer is not a sharedmp channel, or the "
+                                "stream is corrupt")
         else:
             payload = data[HEADER.size:]
         if token:                     # taken: the sender's window is free of this message
@@ -237,18 +248,19 @@ def _payload_of(fd, offset, length):
     try:
         st = os.fstat(fd)
         # st_blocks: a sparse file would make a reader allocate what the peer never wrote.
-        if not stat.S_ISREG(st.st_mode) or st.st_size < offset + length or st.st_blocks * 512 < length \
-                or not segment.sealed(fd, fcntl.F_SEAL_SHRINK):
-            raise ProtocolError(f"a frame's payload of {length} bytes should be in a memfd sealed against "
-                                "shrinking that holds them, and is not: the peer is not a sharedmp channel "
-                                "of this version")
+        if not stat.S_ISREG(st.st_mode) or st.st_size < offset + length \
+                or st.st_blocks * 512 < length or not segment.sealed(fd, fcntl.F_SEAL_SHRINK):
+            raise ProtocolError(f"a frame's payload of {length} bytes should be in a memfd sealed "
+                                "against shrinking that holds them, and is not: the peer is not a "
+                                "sharedmp channel of this version")
         payload = bytearray(length)
         with memoryview(payload) as view:
             done = 0
             while done < length:
                 k = os.preadv(fd, [view[done:]], offset + done)
                 if k == 0:
-                    raise ProtocolError(f"a frame's payload memfd ends at {done} of {length} bytes")
+                    raise ProtocolError(f"a frame's payload memfd ends at {done} of {length} "
+                                        "bytes")
                 done += k
         return payload
     finally:
@@ -261,20 +273,22 @@ def _fds_of_socket(fd, nfds):
         side = socket.socket(fileno=fd)
     except OSError:
         os.close(fd)
-        raise ProtocolError(f"a frame's {nfds} fds should wait on a socket, and its fd is not one") from None
+        raise ProtocolError(f"a frame's {nfds} fds should wait on a socket, and its fd is not "
+                            "one") from None
     fds = []
     try:
         with side:
             while len(fds) < nfds:
                 try:
-                    data, ancdata, msg_flags, _ = side.recvmsg(1, _CMSG_SPACE, _CLOEXEC | _DONTWAIT)
+                    data, ancdata, msg_flags, _ = side.recvmsg(1, _CMSG_SPACE,
+                                                               _CLOEXEC | _DONTWAIT)
                 except OSError:
                     data, ancdata, msg_flags = b"", [], 0
                 before = len(fds)
                 _take_fds(ancdata, msg_flags, fds)
                 if data != b"+" or len(fds) == before or len(fds) > nfds:
-                    raise ProtocolError(f"frame announces {nfds} fds on a socket, and the socket does "
-                                        f"not hold them (after {before})")
+                    raise ProtocolError(f"frame announces {nfds} fds on a socket, and the socket "
+                                        f"does not hold them (after {before})")
         return fds
     except BaseException:
         close_all(fds)

@@ -72,7 +72,8 @@ class _Held:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[tuple[int, int], list[Any]] = {}   # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
+        # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
+        self._held: dict[tuple[int, int], list[Any]] = {}
 
     def take(self, fds: list[int]) -> list[list[Any]]:
         """Entries that keep ``fds`` open until released; their fds are ``entry[0]``."""
@@ -139,7 +140,8 @@ class SimpleQueue:
 
     def put(self, obj: Any) -> None:
         payload, fds, flags = dumps(obj, self._writer._tokens)
-        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, self._writer._flow())
+        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags,
+                          self._writer._flow())
 
 
 class Queue:
@@ -209,8 +211,8 @@ class Queue:
         # the feeder holds nothing (the buffer keeps each item until it is sent: this
         # thread's earlier items are all out) and the socket takes the record at once;
         # otherwise through the feeder, in order. Saves a thread hand-off per message.
-        if not self._buffer and fdpass.try_send_frame(self._writer._check(write=True), payload, fds, flags,
-                                                      window):
+        if not self._buffer and fdpass.try_send_frame(self._writer._check(write=True), payload,
+                                                      fds, flags, window):
             return
         held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
@@ -249,7 +251,8 @@ class Queue:
 
     def qsize(self) -> int:
         # Raises NotImplementedError on macOS, as multiprocessing's does (no sem_getvalue).
-        return self._maxsize - self._sem._semlock._get_value()  # type: ignore[attr-defined, no-any-return]
+        return (self._maxsize  # type: ignore[no-any-return]
+                - self._sem._semlock._get_value())  # type: ignore[attr-defined]
 
     def empty(self) -> bool:
         return not self._reader.poll()
@@ -323,8 +326,8 @@ class Queue:
             try:
                 # (waits here, not in put(), while the window is full: as multiprocessing's
                 # feeder waits on a full pipe)
-                fdpass.send_frame(writer._check(write=True), payload, [entry[0] for entry in taken], flags,
-                                  writer._flow(), flight)
+                fdpass.send_frame(writer._check(write=True), payload,
+                                  [entry[0] for entry in taken], flags, writer._flow(), flight)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return

@@ -1,4 +1,5 @@
-"""The command line: ``python -m sharedmp {doctor,bench,demo,stress} ...`` (also the ``sharedmp`` script).
+"""The command line: ``python -m sharedmp {doctor,bench,demo,stress} ...`` (also the
+``sharedmp`` script).
 
 Each subcommand lives in its own module ``sharedmp.cli.<name>`` which exposes
 
@@ -77,7 +78,8 @@ def build_parser(argv=()):
             module = importlib.import_module(_module_name(name))
             module.add_parser(subparsers)
         else:
-            subparsers.add_parser(name, help=COMMANDS[name], description=COMMANDS[name], add_help=False)
+            subparsers.add_parser(name, help=COMMANDS[name], description=COMMANDS[name],
+                                  add_help=False)
     return parser, module
 
 

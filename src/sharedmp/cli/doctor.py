@@ -1,4 +1,5 @@
-"""``python -m sharedmp doctor [--clean] [--json]``: what this machine supports, where it would fail.
+"""``python -m sharedmp doctor [--clean] [--json]``: what this machine supports, where it would
+fail.
 
 One line per check, each ``ok``, ``warn`` or ``FAIL``, with the fix where something is
 wrong. The exit status is 1 when some check FAILs (something sharedmp needs, with the
@@ -6,10 +7,8 @@ current settings, does not work), 0 otherwise: warnings do not fail.
 
 Torch is never imported: its version comes from the installed distribution's metadata.
 
-The leftover logic (``find_leftovers``, ``clean``) is reusable: a ``sharedmp_*`` file in
-the shared-memory directory is *in use* while some process maps it (``/proc/*/maps``)
-or holds an fd to it (``/proc/*/fd``); a file of this user that nobody uses is a
-leftover of processes that are all gone (killed before they could unlink it).
+Which segments are leftovers, and what each process holds, is read from /proc by
+``memory/leftovers.py`` (``find_leftovers``, ``clean``: reusable outside the command).
 """
 import json
 import mmap
@@ -17,15 +16,15 @@ import os
 import platform
 import re
 import secrets
-import stat
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
 from .. import __version__
 from . import dist_version
-from ..memory import segment
-from ..memory.segment import PREFIX, SHM_DIR_ENV
+from ..errors import OutOfSharedMemory
+from ..memory import leftovers, segment
+from ..memory.segment import SHM_DIR_ENV
 from .. import strategy as _strategy
 from ..strategy import ENV as STRATEGY_ENV
 
@@ -35,8 +34,6 @@ FD_WARN = 1024           # soft RLIMIT_NOFILE below this: warn
 FD_FAIL = 64             # below this: a handful of arrays in flight exhausts it
 FREE_WARN = 1 * GiB      # free space in the shm dir / available memory below this: warn
 TMPFS_TYPES = ("tmpfs", "ramfs")
-# Segment names: the prefix and at least 64 random bits in hex (segment.py uses 80).
-NAME_RE = re.compile(re.escape(PREFIX) + r"[0-9a-f]{16,}\Z")
 
 
 @dataclass
@@ -65,154 +62,6 @@ def _fmt_age(seconds):
     return f"{seconds / 86400:.1f} d"
 
 
-def _candidates(directory):
-    """{name: (path, stat_result)} of the segment files in ``directory`` this user may remove."""
-    out = {}
-    uid = os.getuid()
-    try:
-        entries = os.scandir(directory)
-    except OSError:
-        return out
-    with entries:
-        for entry in entries:
-            if not NAME_RE.match(entry.name):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode) and (uid == 0 or st.st_uid == uid):
-                out[entry.name] = (entry.path, st)
-    return out
-
-
-def _scan_proc(candidates):
-    """(names in use, pids that could not be inspected), or (None, []) without /proc.
-
-    A name is in use when a mapping or an fd of some process points to a file of that
-    name (any directory: mount namespaces see the same file under other paths), or a
-    mapping has its device and inode. Matching by name errs on the side of keeping.
-    """
-    if not os.path.isdir("/proc/self/fd"):
-        return None, []
-    names = set(candidates)
-    by_inode = {(st.st_dev, st.st_ino): name for name, (_, st) in candidates.items()}
-    devs = {f" {os.major(d):02x}:{os.minor(d):02x} " for d, _ in by_inode}
-    used, blind = set(), []
-    uid = os.getuid()
-    try:
-        pids = [p for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return None, []
-    for pid in pids:
-        if used >= names:
-            break
-        base = f"/proc/{pid}"
-        try:
-            with open(f"{base}/maps") as f:
-                for line in f:
-                    if PREFIX not in line and not any(d in line for d in devs):
-                        continue
-                    parts = line.split(None, 5)
-                    if len(parts) < 5:
-                        continue
-                    path = parts[5].rstrip("\n").removesuffix(" (deleted)") if len(parts) == 6 else ""
-                    name = path.rsplit("/", 1)[-1]
-                    if name in names:
-                        used.add(name)
-                        continue
-                    try:
-                        major, minor = (int(x, 16) for x in parts[3].split(":"))
-                        key = (os.makedev(major, minor), int(parts[4]))
-                    except ValueError:
-                        continue
-                    if key in by_inode:
-                        used.add(by_inode[key])
-            for fd in os.listdir(f"{base}/fd"):
-                try:
-                    target = os.readlink(f"{base}/fd/{fd}")
-                except OSError:
-                    continue
-                if PREFIX in target:
-                    name = target.removesuffix(" (deleted)").rsplit("/", 1)[-1]
-                    if name in names:
-                        used.add(name)
-        except (FileNotFoundError, ProcessLookupError):
-            continue                                  # it exited meanwhile: it holds nothing
-        except PermissionError:
-            try:
-                owner = os.stat(base).st_uid
-            except OSError:
-                continue
-            if uid == 0 or owner == uid:              # one of ours we cannot see into
-                blind.append(int(pid))
-        except OSError:
-            continue
-    return used, blind
-
-
-@dataclass
-class Survey:
-    directory: str
-    leftovers: list            # [(path, size, mtime)]
-    in_use: list               # [path]
-    blind: list                # pids that might use this user's segments but cannot be inspected
-    inspectable: bool          # False without /proc: nothing can be called a leftover
-
-
-def survey(directory, min_age=0.0, strict=False):
-    """Which segment files in ``directory`` are in use and which are leftovers.
-
-    ``blind`` lists processes that could hold this user's segments but whose maps or fds
-    cannot be read (non-dumpable processes of this user; for root, processes with more
-    capabilities, such as a sandbox's init). With ``strict``, their existence means that
-    nothing is a leftover; otherwise they are reported and otherwise ignored.
-    """
-    candidates = _candidates(directory)
-    if not candidates:
-        return Survey(directory, [], [], [], os.path.isdir("/proc/self/fd"))
-    used, blind = _scan_proc(candidates)
-    if used is None:
-        return Survey(directory, [], sorted(p for p, _ in candidates.values()), [], False)
-    now = time.time()
-    leftovers, in_use = [], []
-    for name, (path, st) in sorted(candidates.items()):
-        if name in used or (strict and blind) or now - st.st_mtime < min_age:
-            in_use.append(path)
-        else:
-            leftovers.append((path, st.st_size, st.st_mtime))
-    return Survey(directory, leftovers, in_use, blind, True)
-
-
-def find_leftovers(directory, min_age=0.0, strict=False):
-    """[(path, size, mtime)] of this user's ``sharedmp_*`` files in ``directory`` that no
-    live process maps or holds open, and that are at least ``min_age`` seconds old.
-
-    Without /proc nothing is a leftover; with ``strict``, nothing is either while some
-    process that might use the segments cannot be inspected (see ``survey``).
-    """
-    return survey(directory, min_age, strict).leftovers
-
-
-def _remove(leftovers):
-    """Unlink the given leftovers; the (path, size, mtime) of those this call removed."""
-    removed = []
-    for entry in leftovers:
-        try:
-            os.unlink(entry[0])
-        except FileNotFoundError:
-            continue                                  # someone else cleaned it meanwhile
-        except OSError:
-            continue
-        removed.append(entry)
-    return removed
-
-
-def clean(directory, min_age=0.0, strict=False):
-    """Remove the leftovers of ``directory`` (see ``find_leftovers``); the paths removed."""
-    return [path for path, _, _ in _remove(find_leftovers(directory, min_age, strict))]
-
-
 # ---------------------------------------------------------------------------- checks
 
 def _version_tuple(v):
@@ -230,22 +79,28 @@ def check_versions():
     checks.append(Check("platform", OK, f"{platform.platform()} ({platform.machine()})"))
     py = sys.version_info
     checks.append(Check("python", OK if py >= (3, 10) else FAIL,
-                        f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+                        f"{platform.python_version()} ({platform.python_implementation()}, "
+                        f"{sys.executable})",
                         None if py >= (3, 10) else "sharedmp needs Python >= 3.10"))
     np_ok = _version_tuple(np.__version__) >= (1, 24)
     checks.append(Check("numpy", OK if np_ok else WARN, np.__version__,
-                        None if np_ok else "sharedmp is tested with numpy >= 1.24: pip install -U numpy"))
-    checks.append(Check("sharedmp", OK, f"{__version__} ({os.path.dirname(os.path.dirname(__file__))})"))
+                        None if np_ok else
+                        "sharedmp is tested with numpy >= 1.24: pip install -U numpy"))
+    where = os.path.dirname(os.path.dirname(__file__))
+    checks.append(Check("sharedmp", OK, f"{__version__} ({where})"))
     torch = dist_version("torch")
     if torch is None:
-        checks.append(Check("torch", OK, "not installed (optional: pip install 'sharedmp[torch]')"))
+        checks.append(Check("torch", OK,
+                            "not installed (optional: pip install 'sharedmp[torch]')"))
     elif _version_tuple(torch) < (2, 3):
         checks.append(Check("torch", WARN, f"{torch}: sharedmp's torch support needs torch >= 2.3",
                             "pip install -U 'torch>=2.3'"))
     else:
-        checks.append(Check("torch", OK, f"{torch} (installed; not imported by sharedmp until a tensor is met)"))
+        checks.append(Check("torch", OK, f"{torch} (installed; not imported by sharedmp until "
+                            "a tensor is met)"))
     cuda = dist_version("cuda-bindings") or dist_version("cuda-python")
-    checks.append(Check("cuda-bindings", OK, cuda or "not installed (optional: pip install 'sharedmp[cuda]')"))
+    checks.append(Check("cuda-bindings", OK,
+                        cuda or "not installed (optional: pip install 'sharedmp[cuda]')"))
     return checks
 
 
@@ -287,13 +142,17 @@ def check_fd_limit():
     target = FD_WARN * 4 if hard == resource.RLIM_INFINITY else min(hard, FD_WARN * 4)
     if target > soft_n:
         fix = (f"raise it before starting Python: `ulimit -n {target}` (the hard limit allows "
-               f"{show(hard)}), or resource.setrlimit(resource.RLIMIT_NOFILE, ({target}, hard)) at startup")
+               f"{show(hard)}), or resource.setrlimit(resource.RLIMIT_NOFILE, ({target}, hard)) "
+               "at startup")
     else:
         fix = (f"the hard limit is {show(hard)} too: raise it (as root: /etc/security/limits.conf "
-               f"'nofile', systemd LimitNOFILE=, docker --ulimit nofile={FD_WARN * 4}), then `ulimit -n {FD_WARN * 4}`")
+               f"'nofile', systemd LimitNOFILE=, docker --ulimit nofile={FD_WARN * 4}), "
+               f"then `ulimit -n {FD_WARN * 4}`")
     if soft_n < FD_FAIL:
-        return Check("fd limit", FAIL, detail + f": below {FD_FAIL}, a few arrays in flight exhaust it", fix)
-    return Check("fd limit", WARN, detail + f": below {FD_WARN}, many segments in flight may exhaust it "
+        return Check("fd limit", FAIL,
+                     detail + f": below {FD_FAIL}, a few arrays in flight exhaust it", fix)
+    return Check("fd limit", WARN,
+                 detail + f": below {FD_WARN}, many segments in flight may exhaust it "
                  "(each segment sent under file_descriptor costs an fd until it is received)", fix)
 
 
@@ -301,15 +160,37 @@ def check_memory():
     avail = segment.available_memory()
     if avail is None:
         return Check("memory", OK, "available memory unknown on this platform")
-    detail = f"{_fmt_size(avail)} can be reserved (MemAvailable + SwapFree, within the cgroup limit)"
+    detail = (f"{_fmt_size(avail)} can be reserved "
+              "(MemAvailable + SwapFree, within the cgroup limit)")
     if avail < FREE_WARN:
         return Check("memory", WARN, detail, "free memory or raise the container's memory limit: "
                      "shared arrays are reserved in RAM when they are made")
     return Check("memory", OK, detail)
 
 
+def _check_sealed(fd, lease):
+    """That the kernel enforces on the segment of ``fd`` what sharedmp relies on; OSError
+    says what it does not."""
+    import fcntl
+
+    import numpy as np
+    if not segment.sealed(fd, segment.SEALS):
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        raise OSError(f"seals read back as {seals:#x}, expected {segment.SEALS:#x} set")
+    try:
+        os.ftruncate(fd, 0)
+    except PermissionError:
+        pass                                      # the seal holds
+    else:
+        raise OSError("F_SEAL_SHRINK is not enforced: a sealed memfd could be truncated")
+    lease[:4] = np.frombuffer(b"sdmp", np.uint8)
+    if os.pread(fd, 4, 0) != b"sdmp":
+        raise OSError("a write through the mapping is not visible through the fd")
+
+
 def check_memfd(current):
     needed = current == "file_descriptor"
+    bad = FAIL if needed else WARN
     fix = (f"the file_descriptor strategy needs Linux memfd_create with sealing (kernel >= 3.17, "
            f"not blocked by seccomp); use ${STRATEGY_ENV}=file_system")
     if not segment.HAVE_MEMFD:
@@ -317,37 +198,16 @@ def check_memfd(current):
                      "memfd_create is not available on this platform: file_system only",
                      fix if needed else None)
     import fcntl
+    try:                          # made as the file_descriptor strategy makes every segment
+        seg, lease = segment.create(mmap.PAGESIZE, "file_descriptor")
+    except (OSError, OutOfSharedMemory) as e:
+        return Check("memfd", bad, f"a sealed memfd segment cannot be made: {e}", fix)
     try:
-        fd = os.memfd_create("sharedmp-doctor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        _check_sealed(seg.fd, lease)          # the fd a message would carry
     except OSError as e:
-        return Check("memfd", FAIL if needed else WARN, f"memfd_create failed: {e}", fix)
-    try:
-        page = mmap.PAGESIZE
-        if segment.HAVE_FALLOCATE:
-            os.posix_fallocate(fd, 0, page)
-        else:
-            os.ftruncate(fd, page)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, segment.SEALS)
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if seals & segment.SEALS != segment.SEALS:
-            raise OSError(f"seals read back as {seals:#x}, expected {segment.SEALS:#x} set")
-        try:
-            os.ftruncate(fd, 0)
-        except PermissionError:
-            pass                                      # the seal holds
-        else:
-            raise OSError("F_SEAL_SHRINK is not enforced: a sealed memfd could be truncated")
-        mm = mmap.mmap(fd, page)
-        mm[:4] = b"sdmp"
-        good = os.pread(fd, 4, 0) == b"sdmp"
-        mm.close()
-        if not good:
-            raise OSError("a write through the mapping is not visible through the fd")
-    except OSError as e:
-        return Check("memfd", FAIL if needed else WARN, f"memfd works but sealing does not: {e}", fix)
-    finally:
-        os.close(fd)
-    names = [n for n in ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL") if segment.SEALS & getattr(fcntl, n)]
+        return Check("memfd", bad, f"memfd works but sealing does not: {e}", fix)
+    names = [n for n in ("F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL")
+             if segment.SEALS & getattr(fcntl, n)]
     return Check("memfd", OK, f"memfd_create, fallocate and seals ({', '.join(names)}) work")
 
 
@@ -389,7 +249,8 @@ def check_shm_dir(current, strategies):
                       f"point ${SHM_DIR_ENV} at a tmpfs directory{alt}")], False
     probe = os.path.join(d, f".sharedmp-doctor-{secrets.token_hex(8)}")
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600)
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(probe, flags, 0o600)
         try:
             if segment.HAVE_FALLOCATE:
                 os.posix_fallocate(fd, 0, mmap.PAGESIZE)
@@ -400,16 +261,18 @@ def check_shm_dir(current, strategies):
             os.unlink(probe)
     except OSError as e:
         return [Check("shm dir", bad, f"{label} is not writable: {e.strerror}{note}",
-                      f"make it writable for this user (chmod 1777 {d} as root), point ${SHM_DIR_ENV} at "
-                      f"a writable tmpfs directory{alt}")], False
+                      f"make it writable for this user (chmod 1777 {d} as root), "
+                      f"point ${SHM_DIR_ENV} at a writable tmpfs directory{alt}")], False
     checks = []
     mount = _mount_of(d)
     if mount is None:
         checks.append(Check("shm dir", OK, f"{label} exists and is writable"))
     elif mount[1] in TMPFS_TYPES:
-        checks.append(Check("shm dir", OK, f"{label} exists, is writable, {mount[1]} at {mount[0]}"))
+        checks.append(Check("shm dir", OK,
+                            f"{label} exists, is writable, {mount[1]} at {mount[0]}"))
     else:
-        checks.append(Check("shm dir", WARN, f"{label} is on {mount[1]} at {mount[0]}, not a tmpfs: named "
+        checks.append(Check("shm dir", WARN,
+                            f"{label} is on {mount[1]} at {mount[0]}, not a tmpfs: named "
                             "segments are written back to disk (slower) and survive a reboot",
                             f"point ${SHM_DIR_ENV} at a tmpfs directory such as /dev/shm"))
     st = os.statvfs(d)
@@ -419,8 +282,9 @@ def check_shm_dir(current, strategies):
         fix = (f"enlarge it (sudo mount -o remount,size=8G {mount[0] if mount else d}; Docker: "
                f"--shm-size=8g; Kubernetes: an emptyDir with medium: Memory)"
                + (f"{alt}, which does not use {d}" if alt else ""))
-        checks.append(Check("shm space", WARN, detail + f": below {_fmt_size(FREE_WARN)}; more than that in "
-                            f"shared arrays under file_system raises OutOfSharedMemory{note}", fix))
+        checks.append(Check("shm space", WARN,
+                            detail + f": below {_fmt_size(FREE_WARN)}; more than that in shared "
+                            f"arrays under file_system raises OutOfSharedMemory{note}", fix))
     else:
         checks.append(Check("shm space", OK, detail))
     return checks, True
@@ -428,13 +292,15 @@ def check_shm_dir(current, strategies):
 
 def check_leftovers(directory, do_clean):
     """(checks, removed entries)."""
-    s = survey(directory)
-    removed = _remove(s.leftovers) if do_clean else []
+    s = leftovers.survey(directory)
+    removed = leftovers.remove(s.leftovers) if do_clean else []
     checks = []
     now = time.time()
-    line = lambda p, size, mtime: f"{p}  {_fmt_size(size)}  {_fmt_age(now - mtime)} old"  # noqa: E731
+    def line(p, size, mtime):
+        return f"{p}  {_fmt_size(size)}  {_fmt_age(now - mtime)} old"
     if do_clean:
-        detail = (f"removed {len(removed)} leftover segment(s), {_fmt_size(sum(e[1] for e in removed))}"
+        freed = _fmt_size(sum(e[1] for e in removed))
+        detail = (f"removed {len(removed)} leftover segment(s), {freed}"
                   if removed else "nothing to remove")
         checks.append(Check("clean", OK, detail, items=[f"removed {line(*e)}" for e in removed]))
     left = [] if do_clean else s.leftovers
@@ -450,8 +316,8 @@ def check_leftovers(directory, do_clean):
     extra = f"; {'; '.join(notes)}" if notes else ""
     if not s.inspectable:
         checks.append(Check("leftovers", WARN if s.in_use else OK,
-                            f"{len(s.in_use)} segment(s) in {directory}; without /proc it cannot be told "
-                            "which are still in use"))
+                            f"{len(s.in_use)} segment(s) in {directory}; without /proc it cannot "
+                            "be told which are still in use"))
     elif left:
         total = sum(e[1] for e in left)
         checks.append(Check("leftovers", WARN,
@@ -472,35 +338,23 @@ def check_managers(do_clean):
     if stale and do_clean:
         for p in stale:
             manager.remove_stale(p)
-        return Check("managers", OK, f"{live} live; removed {len(stale)} stale socket(s) of killed daemons",
+        return Check("managers", OK,
+                     f"{live} live; removed {len(stale)} stale socket(s) of killed daemons",
                      items=[f"removed {os.path.dirname(p)}" for p in stale])
     if stale:
-        return Check("managers", WARN, f"{live} live; {len(stale)} stale socket(s) of killed daemons",
-                     "python -m sharedmp doctor --clean", items=[os.path.dirname(p) for p in stale])
+        return Check("managers", WARN,
+                     f"{live} live; {len(stale)} stale socket(s) of killed daemons",
+                     "python -m sharedmp doctor --clean",
+                     items=[os.path.dirname(p) for p in stale])
     return Check("managers", OK, f"{live} live file_system manager daemon(s) of this user")
 
 
-def _segments_of(pid):
-    """(bytes mapped, fds) of sharedmp segments in process ``pid``, from /proc; None if unreadable."""
-    mapped = {}
+def _command_line(pid):
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                if "/memfd:sharedmp (deleted)" not in line and PREFIX not in line:
-                    continue
-                parts = line.split(None, 5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                mapped[(parts[3], parts[4], lo)] = hi - lo
-        fds = 0
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            fds += target == "/memfd:sharedmp (deleted)" or PREFIX in target
-    except (OSError, ValueError, IndexError):
-        return None
-    return sum(mapped.values()), fds
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
 
 
 def survey_processes():
@@ -510,31 +364,17 @@ def survey_processes():
     from ..memory import cache
     out = []
     uid, me = os.getuid(), os.getpid()
-    try:
-        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    except OSError:
-        return out
-    for pid in pids:
-        if pid == me:
+    for pid in leftovers.pids():
+        if pid == me or leftovers.owner(pid) != uid:
             continue
-        try:
-            if os.stat(f"/proc/{pid}").st_uid != uid:
-                continue
-        except OSError:
-            continue
-        held = _segments_of(pid)
+        held = leftovers.segments_of(pid)
         stats = cache.read_stats(pid)
         if held is None or (held == (0, 0) and stats is None):
             continue
         parts = (stats or {}).get("cache", {}).values()
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            command = "?"
-        out.append({"pid": pid, "command": command[:80], "mapped": held[0], "fds": held[1],
-                    "cache": sum(p[0] for p in parts), "cache_fds": sum(p[1] for p in parts),
-                    "idle_s": (stats or {}).get("idle_s")})
+        out.append({"pid": pid, "command": _command_line(pid)[:80], "mapped": held[0],
+                    "fds": held[1], "cache": sum(p[0] for p in parts),
+                    "cache_fds": sum(p[1] for p in parts), "idle_s": (stats or {}).get("idle_s")})
     return out
 
 
@@ -547,8 +387,10 @@ def check_processes():
     cached = sum(p["cache"] for p in procs)
     items = [f"pid {p['pid']}: {_fmt_size(p['mapped'])} mapped, {p['fds']} fds; cache "
              f"{_fmt_size(p['cache'])}, {p['cache_fds']} fds  ({p['command']})" for p in procs]
-    return Check("processes", OK, f"{len(procs)} process(es) hold {_fmt_size(total)} of sharedmp memory, "
-                 f"{_fmt_size(cached)} of it cache (given back after {procs[0]['idle_s'] or 1:g} s idle, "
+    return Check("processes", OK,
+                 f"{len(procs)} process(es) hold {_fmt_size(total)} of sharedmp memory, "
+                 f"{_fmt_size(cached)} of it cache (given back after "
+                 f"{procs[0]['idle_s'] or 1:g} s idle, "
                  "or at once by mp.empty_cache() in that process)", items=items)
 
 
@@ -580,7 +422,8 @@ def check_round_trip(strategy, fatal):
         ms = (time.perf_counter() - t0) * 1e3
         del a, b
     except Exception as e:
-        fix = (f"use the other strategy (${STRATEGY_ENV}) and report this at sharedmp's issue tracker"
+        fix = (f"use the other strategy (${STRATEGY_ENV}) and report this at sharedmp's issue "
+               "tracker"
                if not fatal or strategy == "file_descriptor" else
                f"see the shm dir check above, or use ${STRATEGY_ENV}=file_descriptor")
         return Check(name, FAIL if fatal else WARN, f"{strategy}: {type(e).__name__}: {e}", fix)
@@ -590,8 +433,8 @@ def check_round_trip(strategy, fatal):
         else:
             os.environ[STRATEGY_ENV] = saved
         _strategy.reload_from_environment()
-    return Check(name, OK, f"{strategy}: zeros(1024) -> write -> ForkingPickler -> loads: equal, same memory "
-                 f"({len(message)}-byte message, {ms:.1f} ms)")
+    return Check(name, OK, f"{strategy}: zeros(1024) -> write -> ForkingPickler -> loads: equal, "
+                 f"same memory ({len(message)}-byte message, {ms:.1f} ms)")
 
 
 def run_checks(do_clean=False):
@@ -641,8 +484,10 @@ def format_report(checks):
             out.append(f"{pad}fix: {c.fix}")
     counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL)}
     status = exit_status(checks)
-    verdict = "problems found" if status else "no problems" + (" (see warnings)" if counts[WARN] else "")
-    out.append(f"{counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} FAIL: {verdict} (exit {status})")
+    verdict = "problems found" if status else \
+        "no problems" + (" (see warnings)" if counts[WARN] else "")
+    out.append(f"{counts[OK]} ok, {counts[WARN]} warn, {counts[FAIL]} FAIL: {verdict} "
+               f"(exit {status})")
     return "\n".join(out)
 
 
@@ -661,7 +506,8 @@ def add_parser(subparsers):
     from . import COMMANDS
     p = subparsers.add_parser("doctor", help=COMMANDS["doctor"], description=COMMANDS["doctor"])
     p.add_argument("--clean", action="store_true",
-                   help="remove leftover sharedmp_* segments (those no live process maps or holds open)")
+                   help="remove leftover sharedmp_* segments "
+                   "(those no live process maps or holds open)")
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
     return p
 

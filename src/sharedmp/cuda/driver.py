@@ -87,7 +87,8 @@ class Driver:
         self.version = _check(_cu.cuDriverGetVersion(), "cuDriverGetVersion")
         n = _check(_cu.cuDeviceGetCount(), "cuDeviceGetCount")
         self._devices = [_check(_cu.cuDeviceGet(i), "cuDeviceGet") for i in range(n)]
-        self._uuids = [_check(_cu.cuDeviceGetUuid(d), "cuDeviceGetUuid").bytes for d in self._devices]
+        self._uuids = [_check(_cu.cuDeviceGetUuid(d), "cuDeviceGetUuid").bytes
+                       for d in self._devices]
         self._contexts = {}
         self._lock = threading.Lock()
         attr = _cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED
@@ -131,7 +132,8 @@ class Driver:
         """The allocation's id (never reused in this process), to cache its export."""
         with self._on(ordinal):
             return int(_check(_cu.cuPointerGetAttribute(
-                _cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr), "cuPointerGetAttribute"))
+                _cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_BUFFER_ID, ptr),
+                "cuPointerGetAttribute"))
 
     def export(self, ordinal, ptr):
         """(base, size, handle bytes) of the allocation (cudaMalloc block) holding ``ptr``."""
@@ -151,7 +153,8 @@ class Driver:
 
     def new_event(self, ordinal):
         """(event, its 64 handle bytes): an interprocess event for ``record``."""
-        flags = (_cu.CUevent_flags.CU_EVENT_INTERPROCESS | _cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        flags = (_cu.CUevent_flags.CU_EVENT_INTERPROCESS
+                 | _cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         with self._on(ordinal):
             ev = _check(_cu.cuEventCreate(int(flags)), "cuEventCreate")
             handle = _check(_cu.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")

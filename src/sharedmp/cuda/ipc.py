@@ -75,13 +75,15 @@ class Descriptor:
     def decode(cls, form):
         """A Descriptor from its wire form; ProtocolError naming what is wrong."""
         if not isinstance(form, tuple) or len(form) < 2:
-            raise ProtocolError(f"a CUDA array descriptor must be a tuple, got {type(form).__name__}")
+            raise ProtocolError("a CUDA array descriptor must be a tuple, got "
+                                f"{type(form).__name__}")
         if form[0] != VERSION or form[1] != KIND:
-            raise ProtocolError(f"CUDA array descriptor {form[:2]!r} not understood (this sharedmp "
-                                f"reads version {VERSION}, {KIND!r}): run the same sharedmp version "
-                                "in every process")
+            raise ProtocolError(f"CUDA array descriptor {form[:2]!r} not understood (this "
+                                f"sharedmp reads version {VERSION}, {KIND!r}): run the same "
+                                "sharedmp version in every process")
         if len(form) != 2 + len(cls.FIELDS):
-            raise ProtocolError(f"a CUDA array descriptor has {len(cls.FIELDS)} fields, got {len(form) - 2}")
+            raise ProtocolError(f"a CUDA array descriptor has {len(cls.FIELDS)} fields, got "
+                                f"{len(form) - 2}")
         d = cls(*form[2:])
         d._check()
         return d
@@ -102,7 +104,8 @@ class Descriptor:
                 or len(self.lease) > 108:
             bad("lease", "a sharedmp lease server address")
         if self.nbytes == 0 or self.offset + self.nbytes > self.block_size:
-            bad("nbytes", f"> 0 and fit in the block of {self.block_size} bytes from offset {self.offset}")
+            bad("nbytes", f"> 0 and fit in the block of {self.block_size} bytes from offset "
+                          f"{self.offset}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -355,7 +358,8 @@ class Importer:
             try:
                 self.driver.close(m.ordinal, m.ptr)
             except Exception as e:
-                warnings.warn(f"sharedmp: closing a received CUDA block failed: {e!r}", RuntimeWarning)
+                warnings.warn(f"sharedmp: closing a received CUDA block failed: {e!r}",
+                              RuntimeWarning)
 
     def mappings(self):
         """{(owner, handle): holders} of the blocks open now."""

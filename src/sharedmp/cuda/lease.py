@@ -90,7 +90,8 @@ class LeaseServer:
         self._sock.setblocking(False)
         self._wake_r, self._wake_w = socket.socketpair()
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="sharedmp-cuda-leases", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="sharedmp-cuda-leases",
+                                        daemon=True)
         self._thread.start()
 
     # -- the sender's API ------------------------------------------------------------------
@@ -109,7 +110,8 @@ class LeaseServer:
         """[(token, seconds since sent)] of the leases no receiver has claimed yet."""
         now = time.monotonic()
         with self._cond:
-            return [(t, now - lease.since) for t, lease in self._leases.items() if lease.conn is None]
+            return [(t, now - lease.since) for t, lease in self._leases.items()
+                    if lease.conn is None]
 
     def claimed_by(self):
         """{receiver pid: leases it holds}."""
@@ -180,7 +182,8 @@ class LeaseServer:
             conn, _ = self._sock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                    _UCRED.size))
         if uid != os.getuid():           # the abstract namespace is visible to every user
             conn.close()
             return
@@ -257,14 +260,16 @@ class LeaseServer:
             holders = self.claimed_by()
             warnings.warn(
                 f"sharedmp: process {os.getpid()} is exiting while {n} CUDA array(s) it sent are "
-                f"still in use by other processes (pids and counts: {holders or 'none claimed yet'}); "
-                f"waiting up to {timeout:g} s ({EXIT_TIMEOUT_ENV}) for them to be released. Keep "
-                "the sender alive until its receivers drop what they got.",
+                "still in use by other processes (pids and counts: "
+                f"{holders or 'none claimed yet'}); waiting up to {timeout:g} s "
+                f"({EXIT_TIMEOUT_ENV}) for them to be released. Keep the sender alive until its "
+                "receivers drop what they got.",
                 RuntimeWarning, stacklevel=2)
             if not self.wait_idle(timeout):
                 warnings.warn(
-                    f"sharedmp: exiting with {self.outstanding()} CUDA array(s) still held by other "
-                    "processes: their memory is freed now and what they read from it is undefined.",
+                    f"sharedmp: exiting with {self.outstanding()} CUDA array(s) still held by "
+                    "other processes: their memory is freed now and what they read from it is "
+                    "undefined.",
                     RuntimeWarning, stacklevel=2)
         self.close()
 

@@ -47,11 +47,13 @@ class _Arena:
         # carved: then the rest is zeroed at once. A producer whose regions are all copied
         # over (torch tensors moved into shared memory) never pays for zeroing.
         self.dirty = seg.dirty
-        self.seen, self.since = 0, time.monotonic()    # ``used`` as the cache last saw it, and when
+        # ``used`` as the cache last saw it, and when
+        self.seen, self.since = 0, time.monotonic()
 
 
 _current: dict[str, _Arena] = {}              # strategy -> its current _Arena
-_idle: dict[str, _Arena] = {}                 # strategy -> its last _Arena let go by the cache (mapping None)
+# strategy -> its last _Arena let go by the cache (mapping None)
+_idle: dict[str, _Arena] = {}
 _lock = threading.Lock()
 
 
@@ -115,7 +117,8 @@ def _expire(cutoff):
 
 def _held():
     """(bytes, fds) of the current arenas that no array uses (only the allocator holds them)."""
-    idle = [a.mapping for a in list(_current.values()) if sys.getrefcount(a.mapping) <= 2]  # (a, call)
+    # (<= 2: a's own reference and the call's)
+    idle = [a.mapping for a in list(_current.values()) if sys.getrefcount(a.mapping) <= 2]
     return segment.held_by([s for s in map(segment.segment_of, idle) if s is not None])
 
 

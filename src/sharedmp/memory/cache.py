@@ -40,7 +40,8 @@ STATS_SIZE = 4096
 # expire(cutoff) -> whether the thread is still needed; held() -> (bytes, fds)
 Expire = Callable[[Optional[float]], bool]
 Held = Callable[[], tuple[int, int]]
-_caches: list[tuple[int, str, Expire, Held]] = []   # [(order, name, expire, held)], sorted by order
+# [(order, name, expire, held)], sorted by order
+_caches: list[tuple[int, str, Expire, Held]] = []
 _lock = threading.Lock()
 _pass_lock = threading.Lock()     # one pass at a time: empty() waits for the thread's to end
 _thread: threading.Thread | None = None

@@ -1,4 +1,5 @@
-"""The file_system strategy's manager daemon: unlinks each named segment when its last user lets go.
+"""The file_system strategy's manager daemon: unlinks each named segment when its last user
+lets go.
 
 Run as a script by ``manager.py`` (``python -I -S daemon.py SOCKET_PATH LISTEN_FD``) in its own
 session, so that Ctrl-C or a killed process group does not take it down with its clients.
@@ -304,7 +305,8 @@ class Daemon:
         return bool(self.sel.select(0))
 
     def _linger(self):
-        """No client left: wait a moment for a receiver if messages are in flight. True: one came."""
+        """No client left: wait a moment for a receiver if messages are in flight. True: one
+        came."""
         if any(s.inflight > 0 for s in self.segments.values()):
             deadline = time.monotonic() + LINGER
             while time.monotonic() < deadline:

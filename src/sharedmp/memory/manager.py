@@ -51,7 +51,8 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "daemon.py")
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)   # EPIPE as an exception even if SIGPIPE is default
 
 _lock = threading.Lock()        # held while connecting and while sending
-_pending: "collections.deque[tuple[bytes, int]]" = collections.deque()  # encoded records not sent yet
+# encoded records not sent yet
+_pending: "collections.deque[tuple[bytes, int]]" = collections.deque()
 _sock = None                    # the connection, once made
 _dead = None                    # why this process can no longer use its daemon
 _daemon: "tuple[int, str] | None" = None  # (pid, socket path) of the daemon we talk to
@@ -83,20 +84,21 @@ def _hello(path):
             if not os.path.exists(path):
                 raise _Gone() from None
             raise ManagerError(
-                f"the sharedmp manager daemon at {path} is gone ({e.strerror or e}): it was killed, "
-                "so named segments can no longer be tracked. Restart the program (its children "
-                "inherit the dead daemon through $SHAREDMP_MANAGER), run `python -m sharedmp doctor "
-                "--clean` to remove the segments it left, or use the 'file_descriptor' strategy.") from None
+                f"the sharedmp manager daemon at {path} is gone ({e.strerror or e}): it was "
+                "killed, so named segments can no longer be tracked. Restart the program (its "
+                "children inherit the dead daemon through $SHAREDMP_MANAGER), run `python -m "
+                "sharedmp doctor --clean` to remove the segments it left, or use the "
+                "'file_descriptor' strategy.") from None
         except PermissionError:
-            raise ManagerError(f"the sharedmp manager daemon at {path} belongs to another user; unset "
-                               f"${ENV} to start one of this user's own") from None
+            raise ManagerError(f"the sharedmp manager daemon at {path} belongs to another user; "
+                               f"unset ${ENV} to start one of this user's own") from None
         except socket.timeout:
             raise ManagerError(f"the sharedmp manager daemon at {path} did not answer within "
                                f"{HELLO_TIMEOUT:.0f} s (is the machine overloaded?)") from None
         if reply.startswith(b"NO "):
             raise ManagerError(f"the sharedmp manager daemon at {path} refused this process: "
-                               f"{reply[3:].decode(errors='replace').strip()}; unset ${ENV} to start "
-                               "one of this user's own")
+                               f"{reply[3:].decode(errors='replace').strip()}; unset ${ENV} to "
+                               "start one of this user's own")
         if not reply.startswith(b"OK "):
             if not os.path.exists(path):
                 raise _Gone()
@@ -171,9 +173,10 @@ def _lost(e):
     """(lock held) The daemon hung up: say so on every later use."""
     global _sock, _dead
     pid, path = _daemon
-    _dead = (f"the sharedmp manager daemon (pid {pid}, {path}) went away ({e.strerror or e}), so named "
-             "segments can no longer be tracked. Restart the program, run `python -m sharedmp doctor "
-             "--clean` to remove the segments it left, or use the 'file_descriptor' strategy.")
+    _dead = (f"the sharedmp manager daemon (pid {pid}, {path}) went away ({e.strerror or e}), "
+             "so named segments can no longer be tracked. Restart the program, run `python -m "
+             "sharedmp doctor --clean` to remove the segments it left, or use the "
+             "'file_descriptor' strategy.")
     if _sock is not None:
         _sock.close()
         _sock = None
@@ -216,7 +219,8 @@ def _send_pending():
             continue
         data = b"".join(batch)
         if fds:      # (stream socket: the fds arrive with the first byte of ``data``)
-            n = _sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+            n = _sock.sendmsg([data],
+                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
                               _NOSIGNAL)
             data = data[n:]
         if data:
@@ -254,15 +258,18 @@ def dropped(path: str) -> None:
 
 
 class _Token:
-    """The write end of a token pipe (closed when the last message that carries it is gone)."""
+    """The write end of a token pipe (closed when the last message that carries it is gone).
+
+    Closed by a ``weakref.finalize``, not ``__del__``: CPython runs ``__del__`` before it
+    clears the weak references, so another thread's ``Tokens.carry`` could take the dying
+    token back through ``Tokens._last`` with its fd already closed (and later send whatever
+    file reused the number). A finalizer runs once the weak references are dead."""
 
     __slots__ = ("fd", "id", "generation", "__weakref__")
 
     def __init__(self, fd, ident):
         self.fd, self.id, self.generation = fd, ident, _generation
-
-    def __del__(self, _close=os.close):      # (os may be gone at interpreter exit)
-        _close(self.fd)
+        weakref.finalize(self, os.close, fd)
 
 
 _token_ids = itertools.count(1)
@@ -274,7 +281,8 @@ class Tokens:
     __slots__ = ("_last",)
 
     def __init__(self) -> None:
-        self._last: "weakref.ref[_Token] | None" = None            # weakref to the _Token of the last message
+        # weakref to the _Token of the last message
+        self._last: "weakref.ref[_Token] | None" = None
 
     def carry(self, paths: list[str], fds: "Fds") -> None:
         """Count one reference in flight for each of ``paths``, held by the token that this
@@ -318,8 +326,8 @@ def daemon_pid():
 
 
 def stats(path=None):
-    """{"clients", "segments", "in_flight", "tokens"} of the daemon at ``path`` (default: ours), on a
-    connection of its own; the segments are those the daemon has not unlinked yet."""
+    """{"clients", "segments", "in_flight", "tokens"} of the daemon at ``path`` (default: ours),
+    on a connection of its own; the segments are those the daemon has not unlinked yet."""
     path = path or address()
     s, _ = _hello(path)
     try:

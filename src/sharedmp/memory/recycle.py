@@ -48,7 +48,8 @@ MAX_ENTRIES = 16
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _lock = threading.RLock()       # an RLock: give() runs in finalizers, which may run inside take()
-_entries: "collections.deque[list[Any]]" = collections.deque()  # [size, mapping, private fd, unused since], oldest first
+# [size, mapping, private fd, unused since], oldest first
+_entries: "collections.deque[list[Any]]" = collections.deque()
 _total = 0
 _limit = None
 
@@ -106,7 +107,8 @@ def give(size, mapping, private, since=None, available=None):
 
 
 def take(size: int) -> "tuple[mmap.mmap, int] | None":
-    """(mapping, private fd) of a kept segment of ``size`` bytes that no other process holds, or None."""
+    """(mapping, private fd) of a kept segment of ``size`` bytes that no other process holds, or
+    None."""
     with _lock:
         for entry in _entries:
             if entry[0] != size:
@@ -134,7 +136,8 @@ def clear():
 
 
 def expire(cutoff):
-    """(cache) Let go of the segments unused since ``cutoff`` (all if None); whether any is left."""
+    """(cache) Let go of the segments unused since ``cutoff`` (all if None); whether any is
+    left."""
     with _lock:
         for entry in [e for e in _entries if cutoff is None or e[3] < cutoff]:
             _entries.remove(entry)

@@ -3,7 +3,8 @@
 A segment is created by one process and attached by others::
 
     create(size, "file_descriptor")   memfd_create -> posix_fallocate -> seal -> mmap
-                                      (or one this process made before and no one holds: recycle.py)
+                                      (or one this process made before and no one holds:
+                                      recycle.py)
     create(size, "file_system")       open(O_CREAT|O_EXCL, 0600) in SHM_DIR -> fallocate -> mmap
     attach_fd(fd)                     fstat (identity, size, seals) -> mmap, once per process
     attach_name(name)                 open(name) -> fstat -> mmap -> close, once per process
@@ -80,15 +81,16 @@ class Segment:
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
                  "recycle", "dirty", "hot", "idle_since", "__weakref__")
 
-    def __init__(self, kind: str, key: Any, size: int, fd: int, name: str | None, mm: SegmentMapping,
-                 owner: bool, path: str | None = None,
+    def __init__(self, kind: str, key: Any, size: int, fd: int, name: str | None,
+                 mm: SegmentMapping, owner: bool, path: str | None = None,
                  recycle: tuple[mmap.mmap, int] | None = None) -> None:
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
         self.fd = fd              # kept (memfd) so that this process can send it on; -1 if none
         self.name = name
-        self.path = path          # where a named segment was made or found (the directory may change)
+        # where a named segment was made or found (the directory may change)
+        self.path = path
         self.owner_pid = os.getpid() if owner else None
         self.mapping = weakref.ref(mm)
         self.address = _address(mm)
@@ -117,7 +119,8 @@ _addresses: list[int] = []
 # once no message has used them for ``cache.idle()`` seconds.
 KEEP_RECENT = 4
 KEEP_RECENT_MAX_SIZE = 4 << 20
-_recent: collections.deque[list[Any]] = collections.deque(maxlen=KEEP_RECENT)     # [mapping, Segment, monotonic time]
+# [mapping, Segment, monotonic time]
+_recent: collections.deque[list[Any]] = collections.deque(maxlen=KEEP_RECENT)
 
 
 def _keep_recent(mm, seg):
@@ -222,7 +225,8 @@ def segment_of(mm: object) -> Segment | None:
 _last_found = None                # the Segment containing() found last (a hint: checked each time)
 
 
-def containing(address: int, nbytes: int = 1) -> tuple[Segment, SegmentMapping] | tuple[None, None]:
+def containing(address: int,
+               nbytes: int = 1) -> tuple[Segment, SegmentMapping] | tuple[None, None]:
     """(Segment, mapping) of the live mapping of this process that holds the ``nbytes``
     bytes at ``address``, or (None, None). For memory known only by its address (a torch
     storage's data pointer); the offset within the segment is ``address - seg.address``."""
@@ -258,7 +262,7 @@ def _map(fd, size):
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-_avail_cache = (-1.0, None)      # (monotonic time, bytes): /proc/meminfo costs ~40 us to parse
+_avail_cache = (-1.0, None)      # (monotonic time, bytes): parsing /proc/meminfo is not free
 
 
 def _available_memory_cached(max_age=0.1):
@@ -275,7 +279,8 @@ def available_memory():
     try:
         with open("/proc/meminfo") as f:
             info = dict(line.split(":", 1) for line in f)
-        avail = (int(info["MemAvailable"].split()[0]) + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
+        avail = (int(info["MemAvailable"].split()[0])
+                 + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
         for limit, used in _cgroup_memory_files():
             try:
                 with open(limit) as f:
@@ -308,7 +313,8 @@ def _cgroup_memory_files():
         if hid == "0" and controllers == "":
             mount, files = "/sys/fs/cgroup", ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            mount, files = "/sys/fs/cgroup/memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            mount, files = ("/sys/fs/cgroup/memory",
+                            ("memory.limit_in_bytes", "memory.usage_in_bytes"))
         else:
             continue
         parts = [x for x in path.split("/") if x]
@@ -336,8 +342,8 @@ def _reserve(fd, size, what, hint):
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG, errno.EDQUOT):
             raise OutOfSharedMemory(
-                f"cannot reserve {format_size(size)} of shared memory in {what}: {os.strerror(e.errno)}. "
-                f"{hint}") from None
+                f"cannot reserve {format_size(size)} of shared memory in {what}: "
+                f"{os.strerror(e.errno)}. {hint}") from None
         raise
 
 
@@ -364,7 +370,8 @@ def create(size: int, kind: str, zero: bool = True) -> tuple[Segment, SegmentMap
         try:
             return _create(size, kind)
         except (OutOfSharedMemory, OSError) as e:
-            if not recycle.kept()[0] or not (isinstance(e, OutOfSharedMemory) or e.errno == errno.EMFILE):
+            if not recycle.kept()[0] \
+                    or not (isinstance(e, OutOfSharedMemory) or e.errno == errno.EMFILE):
                 raise
         recycle.clear()             # the segments kept for reuse hold memory and fds: without them
         return _create(size, kind)
@@ -372,9 +379,10 @@ def create(size: int, kind: str, zero: bool = True) -> tuple[Segment, SegmentMap
         if e.errno == errno.EMFILE:
             raise _too_many_files("create") from None
         if e.errno == errno.ENOMEM and not isinstance(e, OutOfSharedMemory):
-            raise OutOfSharedMemory(f"cannot map {format_size(size)} of shared memory: this process's "
-                                    "address space is exhausted (`ulimit -v`, RLIMIT_AS) or it has too "
-                                    "many mappings (vm.max_map_count)") from None
+            raise OutOfSharedMemory(f"cannot map {format_size(size)} of shared memory: this "
+                                    "process's address space is exhausted (`ulimit -v`, "
+                                    "RLIMIT_AS) or it has too many mappings "
+                                    "(vm.max_map_count)") from None
         raise
 
 
@@ -391,9 +399,9 @@ def _create(size, kind):
 
 
 def _too_many_files(what):
-    return OSError(errno.EMFILE, f"too many open files to {what} a shared-memory segment: raise the "
-                   "limit (`ulimit -n`, RLIMIT_NOFILE), or keep fewer big arrays alive (arrays below "
-                   "1 MiB share a few segments)")
+    return OSError(errno.EMFILE, f"too many open files to {what} a shared-memory segment: raise "
+                   "the limit (`ulimit -n`, RLIMIT_NOFILE), or keep fewer big arrays alive "
+                   "(arrays below 1 MiB share a few segments)")
 
 
 def _create_memfd(size):
@@ -402,7 +410,8 @@ def _create_memfd(size):
     fd = os.memfd_create("sharedmp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         _reserve(fd, size, "an anonymous memfd segment",
-                 "Free memory or use smaller arrays; memfd memory counts against RAM and the cgroup limit.")
+                 "Free memory or use smaller arrays; memfd memory counts against RAM and the "
+                 "cgroup limit.")
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         mm = _map(fd, size)
     except BaseException:
@@ -448,7 +457,8 @@ def _create_named(size):
         # at any point from here on, the daemon unlinks what it made.
         manager.created(path)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW,
+                         0o600)
             break
         except FileExistsError:
             manager.forget(path)       # someone else's file: not ours to unlink
@@ -482,19 +492,22 @@ def sealed(fd, seals):
 
 
 def attach_fd(fd: int) -> SegmentMapping:
-    """The mapping of the memfd ``fd`` (borrowed: the caller still closes it), mapped once per process."""
+    """The mapping of the memfd ``fd`` (borrowed: the caller still closes it), mapped once per
+    process."""
     try:
         st = os.fstat(fd)
     except OSError as e:
         raise SegmentError(f"received fd {fd} is not usable: {e}") from None
     key = (st.st_dev, st.st_ino)
-    seg = _by_key.get(key)        # (one dict read needs no lock: this runs for every array received)
+    # (one dict read needs no lock: this runs for every array received)
+    seg = _by_key.get(key)
     mm = seg.mapping() if seg is not None else None
     if mm is not None:
         seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         return mm
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-        raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular file)")
+        raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular "
+                           "file)")
     if HAVE_MEMFD and not sealed(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
         raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
                            "it under this process (SIGBUS), so it is refused")
@@ -509,7 +522,8 @@ def attach_fd(fd: int) -> SegmentMapping:
         if e.errno == errno.EMFILE:
             raise _too_many_files("map") from None
         raise SegmentError(f"received fd cannot be mapped for reading and writing ({e.strerror}): "
-                           "not a sharedmp segment, or one opened read-only or sealed against writes") from None
+                           "not a sharedmp segment, or one opened read-only or sealed against "
+                           "writes") from None
     except BaseException:
         os.close(own)
         raise
@@ -532,7 +546,8 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
     if mm is not None:
         seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         if consume:
-            manager.received(seg.path)  # type: ignore[union-attr, arg-type]  # this message's reference in flight is consumed
+            # this message's reference in flight is consumed
+            manager.received(seg.path)  # type: ignore[union-attr, arg-type]
         return mm
     manager.ensure()
     path = os.path.join(shm_dir(), name)
@@ -540,14 +555,15 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
         fd = os.open(path, os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW)
     except FileNotFoundError:
         raise SegmentError(
-            f"shared-memory segment {name} no longer exists in {shm_dir()}: every process that held it "
-            "let go before this one attached (the same message unpickled twice, a sender killed in "
-            "the middle of put(), or a sender with another $SHAREDMP_SHM_DIR). Use the "
+            f"shared-memory segment {name} no longer exists in {shm_dir()}: every process that "
+            "held it let go before this one attached (the same message unpickled twice, a sender "
+            "killed in the middle of put(), or a sender with another $SHAREDMP_SHM_DIR). Use the "
             "'file_descriptor' strategy if it persists.") from None
     except OSError as e:   # a symlink (O_NOFOLLOW), a directory, not ours (EACCES), ...
         if e.errno == errno.EMFILE:
             raise _too_many_files("open") from None
-        raise SegmentError(f"{path} cannot be attached as a shared-memory segment: {e.strerror}") from None
+        raise SegmentError(f"{path} cannot be attached as a shared-memory segment: "
+                           f"{e.strerror}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size == 0:

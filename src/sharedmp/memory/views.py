@@ -66,7 +66,8 @@ def copy_to_shared(a: NDArray[Any]) -> NDArray[Any]:
     if end - lo > 2 * a.nbytes + 4096:   # e.g. a[::1000]: copy the elements, not the gaps
         mapping, offset = arena.allocate(a.nbytes, strategy, zero=False)
         out = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=offset)
-    else:                                # gaps between the elements are zeroed, not left as they were
+    else:
+        # gaps between the elements are zeroed, not left as they were
         mapping, offset = arena.allocate(end - lo, strategy, end - lo != a.nbytes)
         out = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=offset - lo, strides=a.strides)
     np.copyto(out, a, casting="no")

@@ -20,8 +20,9 @@ its worker-handler thread, which ends at ``close()``/``join()``; any user thread
 start a child and end. So a child is always created by a thread that lives as long as
 the process: the main thread, or else one daemon "starter" thread that runs ``start()``
 for the other threads (not for forkserver children, whose parent is the fork server: they
-may be started from many threads at once, as spawn()'s parallel start does). (A daemon thread is only abandoned at interpreter exit, after
-multiprocessing has joined or terminated the children it knows.)
+may be started from many threads at once, as spawn()'s parallel start does). (A daemon
+thread is only abandoned at interpreter exit, after multiprocessing has joined or
+terminated the children it knows.)
 
 SIGKILL, because a parent-death signal that the child can catch or ignore does not
 make it die; the kernel frees its memfd segments all the same. Linux only: elsewhere,
@@ -71,7 +72,9 @@ class DieWithParent(ProcessBase):
         # What the child checks: (pid of the starting process, started via the fork server).
         self._sharedmp_parent = None
         if HAVE_PDEATHSIG and not keep_orphans():
-            method = self._start_method or multiprocessing.get_start_method()  # type: ignore[attr-defined]  # (None: default's)
+            # (_start_method None: the default's)
+            method = (self._start_method  # type: ignore[attr-defined]
+                      or multiprocessing.get_start_method())
             via_forkserver = method == "forkserver"
             self._sharedmp_parent = (os.getpid(), via_forkserver)
             # (a forkserver child's OS parent is the fork server's thread, not ours)

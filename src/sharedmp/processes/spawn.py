@@ -43,7 +43,8 @@ log = logging.getLogger("torch.multiprocessing.spawn")       # (creating it impo
 _TRACE_HEAD, _TRACE_TAIL = 4096, 28672
 
 
-def _wrap(fn: Callable[..., object], i: int, args: tuple[Any, ...], error_conn: Connection) -> None:
+def _wrap(fn: Callable[..., object], i: int, args: tuple[Any, ...],
+          error_conn: Connection) -> None:
     """(in the child) fn(i, *args); an exception's traceback goes to ``error_conn``."""
     try:
         fn(i, *args)
@@ -75,7 +76,8 @@ class ProcessContext:
 
     def pids(self) -> list[int]:
         """The children's pids, by index."""
-        return [int(p.pid) for p in self.processes]  # type: ignore[arg-type]  # (started: never None)
+        # (started: pid is never None)
+        return [int(p.pid) for p in self.processes]  # type: ignore[arg-type]
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait up to ``timeout`` s (None: until a child ends); True once every child ended well.
@@ -89,9 +91,11 @@ class ProcessContext:
             raise self._failure
         if not self.sentinels:
             return True
-        ready: list[Any] = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)   # (sentinels: ints)
+        # (sentinels: ints)
+        ready: list[Any] = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
         failed = None
-        for sentinel in sorted(ready, key=self.sentinels.get):  # type: ignore[arg-type]  # report the lowest failing index
+        # report the lowest failing index
+        for sentinel in sorted(ready, key=self.sentinels.get):  # type: ignore[arg-type]
             index = self.sentinels.pop(sentinel)
             process = self.processes[index]
             process.join()
@@ -116,8 +120,8 @@ class ProcessContext:
         _join_all(self.processes, _TERM_WAIT if grace_period is None else grace_period)
         for p in self.processes:
             if p.is_alive():            # stuck in C code that never reaches Python's handler
-                log.warning("Unable to shutdown process %s via SIGTERM, forcefully exiting via SIGKILL",
-                            p.pid)
+                log.warning("Unable to shutdown process %s via SIGTERM, forcefully exiting via "
+                            "SIGKILL", p.pid)
                 p.kill()
             p.join()
         self.sentinels.clear()
@@ -169,19 +173,25 @@ def _join_all(processes: list[BaseProcess], timeout: float) -> None:
 
 @overload
 def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
-                    join: Literal[True] = True, daemon: bool = False, start_method: str = "spawn") -> None: ...
+                    join: Literal[True] = True, daemon: bool = False,
+                    start_method: str = "spawn") -> None: ...
 @overload
-def start_processes(fn: Callable[..., object], args: Iterable[Any], nprocs: int, join: Literal[False],
-                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+def start_processes(fn: Callable[..., object], args: Iterable[Any], nprocs: int,
+                    join: Literal[False], daemon: bool = False,
+                    start_method: str = "spawn") -> ProcessContext: ...
 @overload
 def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, *,
-                    join: Literal[False], daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+                    join: Literal[False], daemon: bool = False,
+                    start_method: str = "spawn") -> ProcessContext: ...
 @overload
-def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
-                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None: ...
-def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
-                    daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None:
-    """Run fn(i, *args) in a child for each i < nprocs; join them or return their ProcessContext."""
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+                    join: bool = True, daemon: bool = False,
+                    start_method: str = "spawn") -> ProcessContext | None: ...
+def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+                    join: bool = True, daemon: bool = False,
+                    start_method: str = "spawn") -> ProcessContext | None:
+    """Run fn(i, *args) in a child for each i < nprocs; join them or return their
+    ProcessContext."""
     if not callable(fn):
         raise TypeError(f"fn must be a callable run as fn(i, *args), got {type(fn).__name__}")
     try:
@@ -232,20 +242,25 @@ def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs:
 
 
 @overload
-def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: Literal[True] = True,
-          daemon: bool = False, start_method: str = "spawn") -> None: ...
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+          join: Literal[True] = True, daemon: bool = False,
+          start_method: str = "spawn") -> None: ...
 @overload
 def spawn(fn: Callable[..., object], args: Iterable[Any], nprocs: int, join: Literal[False],
           daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
 @overload
-def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, *, join: Literal[False],
-          daemon: bool = False, start_method: str = "spawn") -> ProcessContext: ...
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, *,
+          join: Literal[False], daemon: bool = False,
+          start_method: str = "spawn") -> ProcessContext: ...
 @overload
-def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
-          daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None: ...
-def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1, join: bool = True,
-          daemon: bool = False, start_method: str = "spawn") -> ProcessContext | None:
-    """start_processes() with the spawn start method (``start_method``: deprecated, as in torch)."""
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+          join: bool = True, daemon: bool = False,
+          start_method: str = "spawn") -> ProcessContext | None: ...
+def spawn(fn: Callable[..., object], args: Iterable[Any] = (), nprocs: int = 1,
+          join: bool = True, daemon: bool = False,
+          start_method: str = "spawn") -> ProcessContext | None:
+    """start_processes() with the spawn start method (``start_method``: deprecated, as in
+    torch)."""
     if start_method != "spawn":
         warnings.warn(f"spawn() always uses the 'spawn' start method (got {start_method!r}); "
                       f"use mp.start_processes(..., start_method={start_method!r}) for another",

@@ -64,14 +64,16 @@ def _torch_stream(ordinal):
 
 
 class _TorchOwner:
-    """What ``torch.as_tensor`` keeps for the storage's life: the region as CUDA array interface."""
+    """What ``torch.as_tensor`` keeps for the storage's life: the region as CUDA array
+    interface."""
 
     __slots__ = ("holder", "__cuda_array_interface__")
 
     def __init__(self, holder, nbytes):
         self.holder = holder
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "version": 3,
-                                         "data": (holder.ptr, False), "strides": None, "stream": None}
+                                         "data": (holder.ptr, False), "strides": None,
+                                         "stream": None}
 
 
 def _torch_fallback():
@@ -84,7 +86,8 @@ def _torch_fallback():
         _fallback_warned = True
         warnings.warn("sharedmp: CUDA tensors use torch's own sharing (the sender must keep them "
                       "alive until received and released): install sharedmp[cuda] (cuda-bindings) "
-                      "for sharedmp's, which keeps them alive for you", RuntimeWarning, stacklevel=3)
+                      "for sharedmp's, which keeps them alive for you", RuntimeWarning,
+                      stacklevel=3)
     return True
 
 
@@ -107,7 +110,8 @@ def reduce_torch_tensor(t):
     cls = type(t)
     return rebuild_torch_cuda_tensor, (_storage_wire(t.untyped_storage()), dtype_code(t.dtype),
                                        t.storage_offset(), tuple(t.shape), t.stride(),
-                                       flags_of(t, cls), None if cls in (torch.Tensor, torch.nn.Parameter) else cls)
+                                       flags_of(t, cls),
+                                       None if cls in (torch.Tensor, torch.nn.Parameter) else cls)
 
 
 def reduce_torch_storage(storage):
@@ -129,7 +133,8 @@ def rebuild_torch_cuda_storage(wire):
     storage = imp.cached(d, "torch")
     if storage is None:
         holder = imp.open(d, _torch_stream)
-        t = torch.as_tensor(_TorchOwner(holder, d.nbytes), device=torch.device("cuda", holder.ordinal))
+        t = torch.as_tensor(_TorchOwner(holder, d.nbytes),
+                            device=torch.device("cuda", holder.ordinal))
         storage = t.untyped_storage()
         imp.remember(d, "torch", storage)
     return storage

@@ -9,7 +9,8 @@ from torch.nn.parameter import Parameter
 DTYPES = [d for d in (getattr(torch, n, None) for n in (
     "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
     "bool", "complex64", "complex128", "uint16", "uint32", "uint64", "complex32",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")) if isinstance(d, torch.dtype)]
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"))
+    if isinstance(d, torch.dtype)]
 DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 
 

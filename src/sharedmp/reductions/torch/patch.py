@@ -90,7 +90,8 @@ def install() -> dict[str, str]:
         setattr(_Storage, "is_shared", _is_shared)
     if "_new_shared" in _saved:
         _torch_new_shared = inspect.getattr_static(_Storage, "_new_shared").__func__
-        setattr(_Storage, "_new_shared", classmethod(functools.wraps(_torch_new_shared)(_new_shared)))
+        setattr(_Storage, "_new_shared",
+                classmethod(functools.wraps(_torch_new_shared)(_new_shared)))
     return skipped
 
 

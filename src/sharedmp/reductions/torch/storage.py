@@ -36,8 +36,8 @@ TORCH_SHARE_MEMORY_ = torch.UntypedStorage.share_memory_
 _uint8 = torch.uint8
 
 # A tensor over an existing storage: ``template.new(storage)`` (legacy, as torch's own
-# collate uses it) is a 1-d tensor of the whole storage in one call, 1.0 us against 2-4 us
-# for ``torch.empty((0,), dtype=...).set_(storage, ...)``; ``template.new()`` is the
+# collate uses it) is a 1-d tensor of the whole storage in one call, cheaper than
+# ``torch.empty((0,), dtype=...).set_(storage, ...)``; ``template.new()`` is the
 # cheapest empty tensor of the dtype. Probed, since older torch may lack ``new(UntypedStorage)``.
 _templates: dict[torch.dtype, torch.Tensor] = {}
 
@@ -184,7 +184,8 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
 
 _memmove = ctypes.memmove
 _cpu = torch.device("cpu")
-_last_segment = None                      # the Segment of the last allocation (it holds no mapping)
+# the Segment of the last allocation (it holds no mapping)
+_last_segment = None
 
 
 def segment_of_mapping(mm):
@@ -196,7 +197,7 @@ def segment_of_mapping(mm):
 
 
 # How the moved storage keeps its mapping alive. torch.frombuffer's storage holds the
-# mapping in its deleter, which travels with the memory (1.1 us a call). Cheaper (0.4 us):
+# mapping in its deleter, which travels with the memory (a cost on every call). Cheaper:
 # a storage that does not own its memory (_construct_storage_from_data_pointer) and the
 # mapping as an attribute of the Python storage object, which torch keeps alive exactly as
 # long as the C++ storage (PyObject preservation of storages). Used only where a probe at

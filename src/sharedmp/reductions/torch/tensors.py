@@ -183,8 +183,9 @@ def reduce_tensor(t):
     if cls is torch.Tensor and not t.requires_grad and not t.is_conj() and not t.is_neg():
         return rebuild_tensor_in_segment, (seg, offset, nbytes, dtype_code(t.dtype),
                                            t.storage_offset(), tuple(t.shape), t.stride())
-    return rebuild_tensor_in_segment, (seg, offset, nbytes, dtype_code(t.dtype), t.storage_offset(),
-                                       tuple(t.shape), t.stride(), flags_of(t, cls),
+    return rebuild_tensor_in_segment, (seg, offset, nbytes, dtype_code(t.dtype),
+                                       t.storage_offset(), tuple(t.shape), t.stride(),
+                                       flags_of(t, cls),
                                        None if cls in (torch.Tensor, Parameter) else cls)
 
 
@@ -193,18 +194,20 @@ def _check_aligned(t, offset):
     # one: complex128 does). Only a view made by torch.from_numpy / frombuffer at an odd
     # byte offset can be; say so here, in the sender, rather than lose the message there.
     if offset % t.dtype.itemsize:
-        raise ValueError(f"this {t.dtype} tensor's memory is not aligned to its {t.dtype.itemsize}-byte "
-                         "elements (a torch.from_numpy or torch.frombuffer view at an odd byte offset): "
-                         "send an aligned copy, t.clone()")
+        raise ValueError(f"this {t.dtype} tensor's memory is not aligned to its "
+                         f"{t.dtype.itemsize}-byte elements (a torch.from_numpy or "
+                         "torch.frombuffer view at an odd byte offset): send an aligned copy, "
+                         "t.clone()")
 
 
-def rebuild_tensor_in_segment(mm, offset, nbytes, dtype, storage_offset, size, stride, flags=0, cls=None):
+def rebuild_tensor_in_segment(mm, offset, nbytes, dtype, storage_offset, size, stride, flags=0,
+                              cls=None):
     """A tensor over its storage in a sharedmp segment (the storage found again if known here)."""
     dtype = dtype_of(dtype)
     itemsize = dtype.itemsize
     if type(offset) is not int or offset % itemsize:
-        raise SegmentError(f"a {dtype} tensor at byte {offset!r} of its segment is not aligned to its "
-                           f"{itemsize}-byte elements: the message is corrupt or hostile")
+        raise SegmentError(f"a {dtype} tensor at byte {offset!r} of its segment is not aligned "
+                           f"to its {itemsize}-byte elements: the message is corrupt or hostile")
     key = (id(mm), offset, nbytes)
     storage = recall(key)
     if storage is None:
@@ -234,7 +237,8 @@ def rebuild_tensor(storage, dtype, storage_offset, size, stride, flags, cls):
 # dtype code, flags (``_flags``), ndim; then ndim sizes and ndim strides (int64). The
 # segment's fd is the frame's only one.
 _THEAD = struct.Struct("<QQqBBB")
-_TFRAME = [struct.Struct(_THEAD.format + f"{2 * n}q") for n in range(256)]   # header, sizes, strides: by ndim
+# header, sizes, strides: by ndim
+_TFRAME = [struct.Struct(_THEAD.format + f"{2 * n}q") for n in range(256)]
 _ALL_FLAGS = REQUIRES_GRAD | PARAMETER | CONJ | NEG
 
 
@@ -259,7 +263,8 @@ def encode_tensor(t, fds):
     fds.keep.append(mm)                   # alive until sent, even if ``t`` dies first
     fds.append(seg.fd)
     n = t.dim()
-    return _TFRAME[n].pack(offset, nbytes, t.storage_offset(), code, flags_of(t, cls), n, *t.shape, *t.stride())
+    return _TFRAME[n].pack(offset, nbytes, t.storage_offset(), code, flags_of(t, cls), n,
+                           *t.shape, *t.stride())
 
 
 def decode_tensor(payload, fds):
@@ -268,7 +273,8 @@ def decode_tensor(payload, fds):
         raise ProtocolError(f"malformed tensor frame ({len(payload)} bytes)")
     n = payload[_THEAD.size - 1]          # ndim: the header's last byte
     if len(payload) != _THEAD.size + 16 * n:
-        raise ProtocolError(f"tensor frame of {len(payload)} bytes, its header says {_THEAD.size + 16 * n}")
+        raise ProtocolError(f"tensor frame of {len(payload)} bytes, its header says "
+                            f"{_THEAD.size + 16 * n}")
     head = _TFRAME[n].unpack_from(payload)
     offset, nbytes, storage_offset, code, flags = head[:5]
     size, stride = head[6:6 + n], head[6 + n:]
@@ -277,11 +283,14 @@ def decode_tensor(payload, fds):
     dtype = DTYPES[code] if code < len(DTYPES) else None
     if dtype is None or flags & ~_ALL_FLAGS or (flags & (CONJ | NEG) and not (
             dtype.is_complex or (dtype.is_floating_point and not flags & CONJ))):
-        raise SegmentError(f"malformed tensor header: dtype code {code} ({dtype}), flags {flags:#x}")
+        raise SegmentError(f"malformed tensor header: dtype code {code} ({dtype}), flags "
+                           f"{flags:#x}")
     mm = segment.attach_fd(fds[0])
     try:
-        return rebuild_tensor_in_segment(mm, offset, nbytes, dtype, storage_offset, size, stride, flags)
-    except (RuntimeError, ValueError, OverflowError) as e:   # torch's checks: sizes and strides vs the storage
+        return rebuild_tensor_in_segment(mm, offset, nbytes, dtype, storage_offset, size, stride,
+                                         flags)
+    # torch's checks: sizes and strides vs the storage
+    except (RuntimeError, ValueError, OverflowError) as e:
         raise SegmentError(f"malformed tensor header (sizes {size}, strides {stride}, storage "
                            f"offset {storage_offset}, storage of {nbytes} bytes): {e}") from None
 
@@ -299,7 +308,8 @@ def _reduce_other_tensor(t):
         return _torch_reductions.reduce_tensor(t)
     if t.is_nested:
         return rebuild_nested_tensor, (t.values(), t._nested_tensor_size(),
-                                       t._nested_tensor_strides(), t._nested_tensor_storage_offsets())
+                                       t._nested_tensor_strides(),
+                                       t._nested_tensor_storage_offsets())
     layout = t.layout
     if layout is torch.sparse_coo:
         return rebuild_sparse_coo_tensor, (t._indices(), t._values(), tuple(t.shape),

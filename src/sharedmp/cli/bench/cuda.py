@@ -26,7 +26,8 @@ def _probe():
             "from sharedmp.cuda import driver\n"
             "sys.exit(driver.available())\n")
     try:
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
     except (subprocess.TimeoutExpired, OSError) as e:
         return f"probe failed: {e}"
     if r.returncode == 0:
@@ -49,7 +50,7 @@ def _producer(system, plan, q, go, done, timeout):
 
 
 def _consumer(system, quick, timeout):
-    import torch
+    import torch  # noqa: F401  (first: torch's own reducers, whatever the system)
     if system == "sharedmp":
         import sharedmp
         ctx = sharedmp.get_context("spawn")
@@ -93,18 +94,21 @@ def run(quick, timeout=600):
         return {"skipped": why}
     rows = {}
     for system, _ in SYSTEMS:
-        cmd = [sys.executable, os.path.abspath(__file__), system, "1" if quick else "0", str(timeout)]
+        cmd = [sys.executable, os.path.abspath(__file__), system, "1" if quick else "0",
+               str(timeout)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             out, err = r.stdout, r.stderr
         except subprocess.TimeoutExpired as e:
             out, err = e.stdout or "", "timeout"
-        got = [json.loads(line[len(MARK):]) for line in (out or "").splitlines() if line.startswith(MARK)]
+        got = [json.loads(line[len(MARK):]) for line in (out or "").splitlines()
+               if line.startswith(MARK)]
         for res in got:
             rows.setdefault(res["workload"], {})[system] = res
         for wid, *_ in WORKLOADS:
             if system not in rows.setdefault(wid, {}):
-                rows[wid][system] = {"error": (err or "").strip().splitlines()[-1:] or ["no result"]}
+                last = (err or "").strip().splitlines()[-1:]
+                rows[wid][system] = {"error": last or ["no result"]}
     return {"rows": rows}
 
 
@@ -123,6 +127,8 @@ def format_rows(report):
 
 
 if __name__ == "__main__":
+    # Run as a script, Python put this package's directory first on sys.path, where this very
+    # file would shadow cuda-bindings' ``cuda`` package: drop it before anything imports that.
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:
         del sys.path[0]

@@ -1,0 +1,140 @@
+"""What ``python -m sharedmp bench`` measures: the systems, the workloads, the targets, and the
+plan of a run at a given scale (``make_plan``, ``counts``)."""
+from .worker import F32, MiB, W7_WORKERS
+
+SYSTEMS = [                       # (key, column title)
+    ("sharedmp", "sharedmp"),
+    ("sharedmp_fs", "sharedmp fs"),
+    ("sharedmp_torch", "sharedmp torch"),
+    ("torch_fd", "torch fd"),
+    ("torch_fs", "torch fs"),
+    ("torch_spawn", "torch spawn"),
+    ("stdlib", "stdlib"),
+]
+QUEUE_SYSTEMS = ["sharedmp", "sharedmp_fs", "sharedmp_torch", "torch_fd", "torch_fs",  # W1-W6
+                 "stdlib"]
+COLORS = {"sharedmp": "#d62728", "sharedmp_fs": "#e377c2", "sharedmp_torch": "#ff9896",
+          "torch_fd": "#1f77b4", "torch_fs": "#9ecae1", "torch_spawn": "#17becf",
+          "stdlib": "#7f7f7f"}
+LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "sharedmp_fs": "sharedmp file_system",
+              "sharedmp_torch": "sharedmp, torch tensors",
+              "torch_fd": "torch file_descriptor (W7: torch's default DataLoader, fork)",
+              "torch_fs": "torch file_system", "torch_spawn": "torch DataLoader, spawn (W7 only)",
+              "stdlib": "stdlib (pickled by value)"}
+
+
+def state_dict_shapes():
+    """A small CNN's state_dict: 33 conv+batchnorm pairs over widths 16..128, and a head.
+
+    200 arrays, 5.6 MiB, as ``torch.nn`` lays it out: a conv weight, then the batchnorm's
+    weight, bias, running_mean, running_var (float32) and num_batches_tracked (int64, 0-d).
+    """
+    shapes = []
+
+    def conv_bn(cin, cout):
+        shapes.append(((cout, cin, 3, 3), "float32"))
+        shapes.extend([((cout,), "float32")] * 4)
+        shapes.append(((), "int64"))
+
+    conv_bn(3, 16)
+    cin = 16
+    for width in (16, 32, 64, 128):
+        for _ in range(8):
+            conv_bn(cin, width)
+            cin = width
+    shapes.append(((10, cin), "float32"))
+    shapes.append(((10,), "float32"))
+    return shapes
+
+
+def _nbytes(shapes):
+    total = 0
+    for shape, dtype in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * (8 if dtype == "int64" else 4)
+    return total
+
+
+# id, full count, kind, shape (float32 elements), what the table shows
+WORKLOADS = [
+    dict(id="W1", n=5000, kind="fresh", shape=[256], title="fresh 1 KiB array each",
+         metrics=["msgs"]),
+    dict(id="W2", n=1000, kind="fresh", shape=[256 * 1024], title="fresh 1 MiB array each",
+         metrics=["msgs", "gbps"]),
+    dict(id="W3", n=40, kind="fresh", shape=[16 * MiB], title="fresh 64 MiB array each",
+         metrics=["gbps"]),
+    dict(id="W4", n=20, kind="state_dict", title="fresh CNN state_dict (200 arrays, {size}) each",
+         metrics=["msgs"]),
+    dict(id="W5", n=200, kind="same", shape=[16 * MiB], title="the same shared 64 MiB array",
+         metrics=["msgs"], stdlib_fraction=0.1),
+    dict(id="W6", n=5000, kind="fresh", shape=[256], keep=True,
+         title="fds held while keeping the 1 KiB arrays alive", metrics=["fds"]),
+    dict(id="W7", n=1000, kind="dataloader", batch=64,
+         title="DataLoader batches of 64 dicts of 3 tensors", metrics=["batches"],
+         systems=["sharedmp_torch", "torch_fd", "torch_spawn"]),
+]
+METRIC_UNITS = {"msgs": "msg/s", "gbps": "GB/s", "fds": "fds (lower is better)",
+                "batches": "batch/s"}
+
+TARGETS = [   # (workload, metric, system, against, at least / at most, factor, text)
+    ("W1", "msgs", "sharedmp", "torch_fd", ">=", 80, "W1 >= 80x torch fd"),
+    ("W1", "msgs", "sharedmp", "stdlib", ">=", 1.0, "W1 >= 1.0x stdlib"),
+    ("W1", "msgs", "sharedmp_fs", "torch_fs", ">=", 50, "W1 file_system >= 50x torch fs"),
+    ("W3", "gbps", "sharedmp", "torch_fd", ">=", 2, "W3 >= 2x torch fd"),
+    ("W3", "gbps", "sharedmp", "alloc_fill", ">=", 0.7, "W3 >= 0.7x alloc+fill bound"),
+    ("W4", "msgs", "sharedmp", "torch_fd", ">=", 30, "W4 >= 30x torch fd"),
+    ("W5", "msgs", "sharedmp", None, ">=", 10000, "W5 >= 10,000 msg/s"),
+    ("W6", "fds", "sharedmp", None, "<=", 32, "W6 <= 32 fds for 5,000 live arrays"),
+] + [(w, m, "sharedmp_torch", "sharedmp", ">=", 0.8, f"{w} torch >= 0.8x sharedmp NumPy")
+     for w, m in (("W1", "msgs"), ("W2", "gbps"), ("W3", "gbps"), ("W4", "msgs"),
+                  ("W5", "msgs"))] + [
+    ("W6", "fds", "sharedmp_torch", "sharedmp", "<=", None, "W6 torch fds <= sharedmp NumPy fds"),
+    ("W7", "batches", "sharedmp_torch", "torch_fd", ">=", 5,
+     "W7 >= 5x torch's default DataLoader"),
+]
+
+
+def _fmt_size(n):
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / 1024:.0f} KiB"
+
+
+def scaled(n, scale, minimum=2):
+    return max(minimum, int(round(n * scale)))
+
+
+def make_plan(scale, rounds):
+    """The workloads with their counts at ``scale``: one dict per workload (and system tweaks)."""
+    shapes = state_dict_shapes()
+    plan = []
+    for base in WORKLOADS:
+        w = dict(base)
+        w.setdefault("systems", QUEUE_SYSTEMS)
+        if w["kind"] == "state_dict":
+            w["shapes"] = [[list(s), d] for s, d in shapes]
+            w["bytes"] = _nbytes(shapes)
+            w["title"] = w["title"].format(size=_fmt_size(w["bytes"]))
+        elif w["kind"] == "dataloader":
+            w["bytes"] = w["batch"] * (32 * F32 + 8 + 16)          # one batch: x, y, mask
+        else:
+            w["bytes"] = _nbytes([(tuple(w["shape"]), "float32")])
+        least = 10 if w.get("keep") else W7_WORKERS + 2 if w.get("batch") else 2
+        w["n"] = scaled(w["n"], scale, minimum=least)
+        # bounded queues keep about 256 MiB in flight at most
+        w["maxsize"] = max(4, min(10000, (256 * MiB) // w["bytes"]))
+        plan.append(w)
+    return plan
+
+
+def counts(w, system, rounds):
+    """[warm-up, timed, timed, ...] message counts of ``w`` for ``system``."""
+    n = w["n"]
+    if system == "stdlib" and w.get("stdlib_fraction"):
+        n = max(2, int(round(n * w["stdlib_fraction"])))
+    if w.get("keep"):
+        return [n]                     # W6: one round, nothing received before it
+    warm = max(1, min(50, n // 10))
+    return [warm] + [n] * rounds

@@ -1,0 +1,337 @@
+"""The table, the ratios, the targets and the plot of a bench report (``driver.py`` makes it)."""
+import math
+
+from .plan import COLORS, METRIC_UNITS, SYSTEMS, TARGETS
+
+
+def fmt_num(v):
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:,.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    if v >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def _fmt_ratio(v):
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:,.0f}x"
+    if v >= 10:
+        return f"{v:.1f}x"
+    return f"{v:.2g}x"
+
+
+def _value(res, metric):
+    if res is None or res.get("status") != "ok":
+        return None
+    v = res.get(metric)
+    return v if isinstance(v, (int, float)) else None
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _mine(w):
+    """The sharedmp column of workload ``w`` that the ratios are of (W7 has torch only)."""
+    return "sharedmp" if "sharedmp" in w["systems"] else "sharedmp_torch"
+
+
+def compute_ratios(report):
+    out = {}
+    bound = (report.get("bounds") or {}).get("alloc_fill_gbps")
+    shm_bound = (report.get("bounds") or {}).get("shm_alloc_fill_gbps")
+    for w in report["workloads"]:
+        res = report["results"][w["id"]]
+        for metric in w["metrics"]:
+            mine = _value(res.get(_mine(w)), metric)
+            r = {f"vs_{s}": _ratio(mine, _value(res.get(s), metric))
+                 for s in ("torch_fd", "torch_fs", "torch_spawn", "stdlib")}
+            if metric != "fds":        # W6: fewer is better; the target compares the counts
+                r["torch_vs_numpy"] = _ratio(_value(res.get("sharedmp_torch"), metric),
+                                             _value(res.get("sharedmp"), metric))
+            if w["id"] == "W3" and metric == "gbps":
+                r["vs_alloc_fill_bound"] = _ratio(mine, bound)
+                r["vs_shm_alloc_fill_bound"] = _ratio(mine, shm_bound)
+            out[f"{w['id']}:{metric}"] = r
+    return out
+
+
+def check_targets(report):
+    out = []
+    bounds = report.get("bounds") or {}
+    for wid, metric, system, against, op, factor, text in TARGETS:
+        if wid not in report["results"]:
+            continue
+        res = report["results"][wid]
+        mine = _value(res.get(system), metric)
+        kind = "absolute" if against is None else "compare" if factor is None else "ratio"
+        if kind == "compare":          # the two figures, side by side
+            theirs = _value(res.get(against), metric)
+            got = None if mine is None or theirs is None else [mine, theirs]
+            factor = theirs
+        elif against is None:
+            got = mine
+        elif against == "alloc_fill":
+            got = _ratio(mine, bounds.get("alloc_fill_gbps"))
+        else:
+            got = _ratio(mine, _value(res.get(against), metric))
+        value = got[0] if kind == "compare" and got else got
+        met = None if got is None else (value >= factor if op == ">=" else value <= factor)
+        out.append({"target": text, "workload": wid, "value": got, "met": met, "kind": kind})
+    return out
+
+
+def _cell(res, metric):
+    if res is None:
+        return "n/a"
+    status = res.get("status")
+    if status != "ok":
+        return status
+    v = _value(res, metric)
+    if metric == "fds":
+        return f"{v:,}" if v is not None else "-"
+    return fmt_num(v)
+
+
+def _label(w, res, k):
+    """The first column of the ``k``-th row of workload ``w``."""
+    if k > 0:
+        return f"{w['id']}"
+    label = f"{w['id']} {w['n']:,} x {w['title']}"
+    if w["id"] == "W6":
+        label = f"{w['id']} {w['title']} ({w['n']:,})"
+    if w.get("stdlib_fraction"):
+        sn = (res.get("stdlib") or {}).get("n")
+        if sn:
+            label += f" [stdlib: {sn:,}, by value]"
+    return label
+
+
+def _rows(report):
+    rows = []
+    for w in report["workloads"]:
+        res = report["results"][w["id"]]
+        for k, metric in enumerate(w["metrics"]):
+            ratios = report["ratios"][f"{w['id']}:{metric}"]
+            bound = _fmt_ratio(ratios.get("vs_alloc_fill_bound")) \
+                if "vs_alloc_fill_bound" in ratios else ""
+            rows.append([_label(w, res, k), METRIC_UNITS[metric]]
+                        + [_cell(res.get(s), metric) for s, _ in SYSTEMS]
+                        + [_fmt_ratio(ratios["vs_torch_fd"]), _fmt_ratio(ratios["vs_stdlib"]),
+                           bound, _fmt_ratio(ratios.get("torch_vs_numpy"))])
+    return rows
+
+
+def _aligned(head, rows):
+    """The lines of a table: the first two columns to the left, the others to the right."""
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    sep = "  "
+
+    def line(r):
+        return sep.join((str(c).ljust(widths[i]) if i < 2 else str(c).rjust(widths[i]))
+                        for i, c in enumerate(r)).rstrip()
+    return [line(head), sep.join("-" * w for w in widths)] + [line(r) for r in rows]
+
+
+def _w7_notes(report):
+    w7 = report["results"].get("W7")
+    if not w7:
+        return []
+    vs_spawn = ""
+    if "W7:batches" in report["ratios"]:
+        ratio = _fmt_ratio(report["ratios"]["W7:batches"]["vs_torch_spawn"])
+        vs_spawn = f" (sharedmp torch / torch spawn: {ratio})"
+    lines = ["",
+             "W7: batches/s in the main process, from the 2nd batch (one per worker: start-up "
+             "excluded) to the last; DataLoader(num_workers=2,",
+             "    batch_size=64, default collate, timeout), a fresh one per round;",
+             "    smp/torch fd = sharedmp torch / torch fd, torch's default DataLoader "
+             "(multiprocessing_context=None: fork on Linux,",
+             "    file_descriptor): what unchanged torch code gets, so the target's baseline; "
+             "torch spawn isolates the start method" + vs_spawn]
+    ups = [f"{t} {min(w7[s]['startup_s']):.2f} s" for s, t in SYSTEMS
+           if (w7.get(s) or {}).get("status") == "ok"]
+    if ups:
+        lines.append("    start-up, iter() to the 2nd batch (best round): " + ", ".join(ups))
+    return lines
+
+
+def _bounds_lines(report):
+    bounds = report.get("bounds") or {}
+    if bounds.get("status") != "ok":
+        return [f"machine bounds: {bounds.get('status', 'n/a')}"]
+    lines = ["", f"machine bounds: memcpy (np.copyto 64 MiB) {bounds['memcpy_gbps']:.2f} GB/s;  "
+                 f"alloc+fill (np.empty 64 MiB + fill) {bounds['alloc_fill_gbps']:.2f} GB/s;  "
+                 f"Pipe round trips {bounds['pipe_roundtrips_per_s']:,.0f}/s"]
+    if bounds.get("shm_alloc_fill_gbps"):
+        w3 = report["ratios"].get("W3:gbps", {}).get("vs_shm_alloc_fill_bound")
+        no_thp = bounds.get("alloc_fill_4k_gbps")
+        indent = " " * 16
+        lines.append(indent
+                     + (f"alloc+fill without huge pages {no_thp:.2f} GB/s;  " if no_thp else "")
+                     + "fresh shared memory (memfd 64 MiB + fill) "
+                     + f"{bounds['shm_alloc_fill_gbps']:.2f} GB/s"
+                     + (f" (W3 sharedmp / this: {_fmt_ratio(w3)})" if w3 else ""))
+        machine = report["machine"]
+        lines.append(f"{indent}huge pages: anonymous {machine.get('transparent_hugepages', '?')}; "
+                     f"shmem {machine.get('shmem_hugepages', '?')}")
+    return lines
+
+
+def format_table(report):
+    head = (["workload", "unit"] + [t for _, t in SYSTEMS]
+            + ["smp/torch fd", "smp/stdlib", "smp/bound", "smp torch/numpy"])
+    lines = _aligned(head, _rows(report)) + _w7_notes(report) + _bounds_lines(report)
+    return "\n".join(lines)
+
+
+def format_header(report):
+    m, v = report["machine"], report["versions"]
+    mode = "quick" if report["quick"] else ("full" if report["scale"] == 1 else "scaled")
+    return (f"sharedmp bench ({mode}: scale {report['scale']:g}, best of {report['rounds']} timed "
+            f"round{'s' if report['rounds'] != 1 else ''}, spawn, fresh processes per "
+            f"{report['isolation']})\n"
+            f"{m.get('cpu', m['machine'])}, {m.get('cpus_usable', m['cpus'])} CPUs, "
+            f"{m.get('memory_gib', '?')} GiB; Python {v['python']}, numpy {v['numpy']}, "
+            f"torch {v['torch'] or 'n/a'}, sharedmp {v['sharedmp']}")
+
+
+def format_footer(report):
+    lines = ["", "targets:"]
+    for t in report["targets"]:
+        if t["value"] is None:
+            val, mark = "n/a", "?"
+        else:
+            val = _fmt_ratio(t["value"]) if t["kind"] == "ratio" else \
+                " vs ".join(f"{v:,}" if isinstance(v, int) else fmt_num(v) for v in
+                            (t["value"] if t["kind"] == "compare" else [t["value"]]))
+            mark = "met" if t["met"] else "MISSED"
+        lines.append(f"  {t['target']:<40} {val:>10}  {mark}")
+    left = report.get("shm_left", [])
+    lines.append("")
+    lines.append("/dev/shm after the run: " + ("clean" if not left else "LEFT " + ", ".join(left)))
+    if report.get("shm_removed"):
+        lines.append("  removed after a timeout: " + ", ".join(report["shm_removed"]))
+    for s in report.get("problems", []):
+        lines.append("problem: " + s)
+    lines.append(f"wall time {report['wall_s']:.1f} s")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- plot
+
+def _base(metric, good):
+    """The bottom of a panel's log scale, below its smallest bar."""
+    if metric == "fds":
+        return 0.5
+    lo = min(good) if good else 1
+    return 10 ** (int(math.floor(math.log10(lo))) - 1) if lo > 0 else 0.1
+
+
+def _w3_bound_lines(ax, bounds, top):
+    """W3's panel: the machine's bounds as horizontal lines; the panel's new top."""
+    lines = []
+    for key, text, style in (("alloc_fill_gbps", "np.empty+fill (bound)", "--"),
+                             ("alloc_fill_4k_gbps", "np.empty+fill, no huge pages", "-."),
+                             ("shm_alloc_fill_gbps", "fresh shared memory+fill", ":")):
+        b = bounds.get(key)
+        if b:
+            lines.append(ax.axhline(b, color="black", linestyle=style, linewidth=1,
+                                    label=f"{text}: {b:.2f}"))
+            top = max(top, b * 60)
+    if lines:
+        ax.legend(handles=lines, loc="upper right", fontsize=7.5, framealpha=0.9)
+    return top
+
+
+def _bar_labels(ax, bars, vals, shown, res, metric, base):
+    """Each bar's figure above it; a failed system's status where its bar would be."""
+    for bar, v, (s, _) in zip(bars, vals, shown):
+        x = bar.get_x() + bar.get_width() / 2
+        if v == 0:
+            ax.text(x, base * 1.15, "0", ha="center", va="bottom", fontsize=9)
+        elif v:
+            label = fmt_num(v) if metric != "fds" else f"{int(v):,}"
+            ax.text(x, v * 1.15, label, ha="center", va="bottom", fontsize=9,
+                    fontweight="bold" if s.startswith("sharedmp") else "normal",
+                    bbox=dict(facecolor="white", edgecolor="none", pad=0.5, alpha=0.8))
+        else:
+            ax.text(x, base * 1.3, _cell(res.get(s), metric), ha="center", va="bottom",
+                    fontsize=9, color="darkred", rotation=90)
+
+
+def _panel_title(w, res):
+    if w["id"] == "W6":
+        title = f"W6: fds held for {w['n']:,} live 1 KiB arrays"
+    else:
+        title = f"{w['id']}: {w['n']:,} x {w['title']}"
+    sn = (res.get("stdlib") or {}).get("n")
+    if w.get("stdlib_fraction") and sn:
+        title += f"\n(stdlib: {sn:,} messages, by value)"
+    return title
+
+
+def _panel(ax, w, metric, report):
+    """One workload's bars, one per system that runs it (log scale)."""
+    res = report["results"][w["id"]]
+    shown = [(s, t) for s, t in SYSTEMS if s in w["systems"]]
+    vals = [_value(res.get(s), metric) for s, _ in shown]
+    good = [v for v in vals if v]   # 0 fds: no bar, a label
+    base = _base(metric, good)
+    xs = range(len(shown))
+    bars = ax.bar(xs, [(v - base if v else 0) for v in vals], bottom=base,
+                  color=[COLORS[s] for s, _ in shown], edgecolor="black", linewidth=0.5)
+    ax.set_yscale("log")
+    top = max(max(good) if good else 10, base * 10) * 8
+    if w["id"] == "W3":
+        top = _w3_bound_lines(ax, report.get("bounds") or {}, top)
+    ax.set_ylim(base, top)
+    _bar_labels(ax, bars, vals, shown, res, metric, base)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([t for _, t in shown], fontsize=8, rotation=15)
+    ax.set_title(_panel_title(w, res), fontsize=9.5)
+    unit = METRIC_UNITS[metric]
+    ax.set_ylabel(unit + ("" if metric == "fds" else " (higher is better)"), fontsize=9)
+    ax.grid(axis="y", which="major", alpha=0.3)
+
+
+def _subtitle(report):
+    m, bounds = report["machine"], report.get("bounds") or {}
+    sub = (f"{m.get('cpu', '')}, {m.get('cpus_usable', m['cpus'])} CPUs; spawn; best of "
+           f"{report['rounds']}; scale {report['scale']:g}")
+    if bounds.get("status") == "ok":
+        sub += (f"; memcpy {bounds['memcpy_gbps']:.1f} GB/s, alloc+fill "
+                f"{bounds['alloc_fill_gbps']:.1f} GB/s, "
+                f"Pipe {bounds['pipe_roundtrips_per_s']:,.0f} round trips/s")
+    return sub
+
+
+def plot(report, path):
+    """A bar chart per workload (log scale), one bar per system; writes ``path``."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'sharedmp[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(w, "gbps" if "gbps" in w["metrics"] else w["metrics"][0])
+              for w in report["workloads"]]
+    ncols = min(4, len(panels))
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.0 * nrows), squeeze=False)
+    for ax, (w, metric) in zip(axes.flat, panels):
+        _panel(ax, w, metric, report)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("sharedmp vs torch.multiprocessing vs multiprocessing (log scale)\n"
+                 + _subtitle(report), fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,286 @@
+"""What processes hold in shared memory, read from /proc; and the segment files nobody holds.
+
+The one reader of other processes' /proc entries for sharedmp's tools (doctor, bench,
+stress): the live pids and their ``stat``, the segments a process maps or holds open,
+and which files of a shared-memory directory are in use.
+
+A file is *in use* while some process maps it (``/proc/*/maps``) or holds an fd to it
+(``/proc/*/fd``). A ``sharedmp_*`` file of this user that nobody uses is a *leftover* of
+processes that are all gone (killed before they could unlink it): ``find_leftovers`` lists
+them, ``clean`` removes them (``python -m sharedmp doctor --clean``).
+
+Without /proc nothing can be called a leftover: nothing is ever removed then.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
+
+from .segment import NAME_RE, PREFIX
+
+# What /proc shows for a memfd segment (segment.py names its memfds "sharedmp").
+MEMFD_TARGET = "/memfd:sharedmp (deleted)"
+_DELETED = " (deleted)"
+
+K = TypeVar("K")
+Leftover = tuple[str, int, float]          # (path, size, mtime)
+
+
+def have_proc() -> bool:
+    """Whether this system shows processes' fds in /proc (Linux)."""
+    return os.path.isdir("/proc/self/fd")
+
+
+def pids() -> list[int]:
+    """The pids of the live processes (zombies included: see ``proc_stat``), [] without /proc."""
+    try:
+        return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    except OSError:
+        return []
+
+
+class ProcStat(NamedTuple):
+    state: str                 # R, S, D, ... Z (zombie), X (dead)
+    ppid: int
+    pgrp: int
+
+    @property
+    def alive(self) -> bool:
+        """Not a zombie: the process still runs (and may hold fds and mappings)."""
+        return self.state not in ("Z", "X")
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """The state, parent and process group of ``pid``, or None if it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The command name may hold spaces and parentheses: the fields follow its last ")".
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def owner(pid: int) -> int | None:
+    """The uid that owns process ``pid``, or None if it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _fd_targets(pid: int) -> Iterator[str]:
+    """What the fds of ``pid`` point to (OSError if its fds cannot be listed)."""
+    base = f"/proc/{pid}/fd"
+    for fd in os.listdir(base):
+        try:
+            yield os.readlink(f"{base}/{fd}")
+        except OSError:
+            continue                                  # closed meanwhile
+
+
+def _is_segment(target: str) -> bool:
+    return target == MEMFD_TARGET or PREFIX in target
+
+
+def segments_of(pid: int) -> tuple[int, int] | None:
+    """(bytes mapped, fds) of sharedmp segments in process ``pid``; None if unreadable."""
+    mapped = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if MEMFD_TARGET not in line and PREFIX not in line:
+                    continue
+                parts = line.split(None, 5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                mapped[(parts[3], parts[4], lo)] = hi - lo
+        fds = sum(_is_segment(t) for t in _fd_targets(pid))
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(mapped.values()), fds
+
+
+# ---------------------------------------------------------------------------- in use
+
+def _name(path: str) -> str:
+    return path.removesuffix(_DELETED).rsplit("/", 1)[-1]
+
+
+class _Files(Generic[K]):
+    """The files looked for, each known by a key: by name and by (device, inode)."""
+
+    def __init__(self, by_name: Mapping[str, list[K]], by_inode: Mapping[tuple[int, int], K]):
+        self.by_name, self.by_inode = by_name, by_inode
+        self.keys = {k for ks in by_name.values() for k in ks} | set(by_inode.values())
+        # A maps line shows the device as "major:minor" in hex: a cheap filter of lines.
+        self.devs = tuple({f" {os.major(d):02x}:{os.minor(d):02x} " for d, _ in by_inode})
+
+    def in_maps_line(self, line: str) -> list[K]:
+        if PREFIX not in line and not any(d in line for d in self.devs):
+            return []
+        parts = line.split(None, 5)
+        if len(parts) < 5:
+            return []
+        found = self.by_name.get(_name(parts[5].rstrip("\n")) if len(parts) == 6 else "")
+        if found:
+            return found
+        try:
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            key = self.by_inode.get((os.makedev(major, minor), int(parts[4])))
+        except ValueError:
+            return []
+        return [] if key is None else [key]
+
+    def add_used_by(self, pid: int, used: set[K]) -> None:
+        """Add to ``used`` the keys of the files ``pid`` maps or holds open (OSError once it
+        cannot be read further: what was found until then stays in ``used``)."""
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                used.update(self.in_maps_line(line))
+        for target in _fd_targets(pid):
+            used.update(self.by_name.get(_name(target), ()))
+
+
+def _users(files: _Files[K]) -> tuple[set[K], list[int]] | tuple[None, list[int]]:
+    """(keys in use, pids that could not be inspected), or (None, []) without /proc.
+
+    A file is in use when a mapping or an fd of some process points to a file of its name
+    (any directory: mount namespaces see the same file under other paths), or a mapping
+    has its device and inode. Matching by name errs on the side of keeping.
+    """
+    if not have_proc():
+        return None, []
+    used: set[K] = set()
+    blind: list[int] = []
+    uid = os.getuid()
+    for pid in pids():
+        if used >= files.keys:
+            break
+        try:
+            files.add_used_by(pid, used)
+        except (FileNotFoundError, ProcessLookupError):
+            continue                                  # it exited meanwhile: it holds nothing
+        except PermissionError:
+            if uid == 0 or owner(pid) == uid:         # one of ours we cannot see into
+                blind.append(pid)
+        except OSError:
+            continue
+    return used, blind
+
+
+def _stat(path: str) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def in_use(paths: Iterable[str]) -> set[str]:
+    """The ``paths`` (any files, e.g. in /dev/shm) that some live process maps or holds open;
+    all of them without /proc, where it cannot be told."""
+    paths = set(paths)
+    by_name: dict[str, list[str]] = {}
+    by_inode = {}
+    for p in paths:
+        by_name.setdefault(os.path.basename(p), []).append(p)
+        st = _stat(p)
+        if st is not None:
+            by_inode[(st.st_dev, st.st_ino)] = p
+    used, _ = _users(_Files(by_name, by_inode))
+    return paths if used is None else used
+
+
+# ---------------------------------------------------------------------------- leftovers
+
+def candidates(directory: str) -> dict[str, tuple[str, os.stat_result]]:
+    """{name: (path, stat)} of the segment files in ``directory`` this user may remove."""
+    out: dict[str, tuple[str, os.stat_result]] = {}
+    uid = os.getuid()
+    try:
+        entries = os.scandir(directory)
+    except OSError:
+        return out
+    with entries:
+        for entry in entries:
+            if not NAME_RE.match(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (uid == 0 or st.st_uid == uid):
+                out[entry.name] = (entry.path, st)
+    return out
+
+
+def scan_proc(found: Mapping[str, tuple[str, os.stat_result]]
+              ) -> tuple[set[str], list[int]] | tuple[None, list[int]]:
+    """(names in use, pids that could not be inspected) of ``candidates``' result, or
+    (None, []) without /proc."""
+    by_inode = {(st.st_dev, st.st_ino): name for name, (_, st) in found.items()}
+    return _users(_Files({name: [name] for name in found}, by_inode))
+
+
+@dataclass
+class Survey:
+    directory: str
+    leftovers: list[Leftover]
+    in_use: list[str]          # paths
+    blind: list[int]           # pids that might use this user's segments but cannot be inspected
+    inspectable: bool          # False without /proc: nothing can be called a leftover
+
+
+def survey(directory: str, min_age: float = 0.0, strict: bool = False) -> Survey:
+    """Which segment files in ``directory`` are in use and which are leftovers.
+
+    ``blind`` lists processes that could hold this user's segments but whose maps or fds
+    cannot be read (non-dumpable processes of this user; for root, processes with more
+    capabilities, such as a sandbox's init). With ``strict``, their existence means that
+    nothing is a leftover; otherwise they are reported and otherwise ignored.
+    """
+    found = candidates(directory)
+    if not found:
+        return Survey(directory, [], [], [], have_proc())
+    used, blind = scan_proc(found)
+    if used is None:
+        return Survey(directory, [], sorted(p for p, _ in found.values()), [], False)
+    now = time.time()
+    leftovers, busy = [], []
+    for name, (path, st) in sorted(found.items()):
+        if name in used or (strict and blind) or now - st.st_mtime < min_age:
+            busy.append(path)
+        else:
+            leftovers.append((path, st.st_size, st.st_mtime))
+    return Survey(directory, leftovers, busy, blind, True)
+
+
+def find_leftovers(directory: str, min_age: float = 0.0, strict: bool = False) -> list[Leftover]:
+    """[(path, size, mtime)] of this user's ``sharedmp_*`` files in ``directory`` that no
+    live process maps or holds open, and that are at least ``min_age`` seconds old.
+
+    Without /proc nothing is a leftover; with ``strict``, nothing is either while some
+    process that might use the segments cannot be inspected (see ``survey``).
+    """
+    return survey(directory, min_age, strict).leftovers
+
+
+def remove(entries: Iterable[Leftover]) -> list[Leftover]:
+    """Unlink the given leftovers; the (path, size, mtime) of those this call removed (one
+    that is gone already, cleaned by someone else meanwhile, is not)."""
+    removed = []
+    for entry in entries:
+        try:
+            os.unlink(entry[0])
+        except OSError:
+            continue
+        removed.append(entry)
+    return removed
+
+
+def clean(directory: str, min_age: float = 0.0, strict: bool = False) -> list[str]:
+    """Remove the leftovers of ``directory`` (see ``find_leftovers``); the paths removed."""
+    return [path for path, _, _ in remove(find_leftovers(directory, min_age, strict))]
