@@ -5,10 +5,12 @@ would), with a timeout; on failure the whole process group is killed.
 """
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -18,7 +20,6 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from sharedmp.cli import main  # noqa: E402
-from _helpers import children  # noqa: E402
 from conftest import group_gone, run_bounded  # noqa: E402
 
 TIMEOUT = 90           # seconds for a CLI subprocess
@@ -158,18 +159,30 @@ def test_ctrl_c_stops_everything(tmp_path):
                              "--epochs", "100000", "--strategy", "file_system"],
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, env=env)
+    lines = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr],
+                              daemon=True)
+    reader.start()
+    err = []
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(children(proc.pid)) < 2:           # the workers have started
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        time.sleep(4)                                # let them get into training (or not)
+        # Without a terminal the progress is a line every 2 s of training: the first one
+        # says the workers are training.
+        while " samples (" not in (err[-1] if err else ""):
+            err.append(lines.get(timeout=TIMEOUT))
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(timeout=TIMEOUT)
+        out = proc.stdout.read()
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
         raise
+    finally:
+        proc.stdout.close()
+        proc.stderr.close()
+    while not lines.empty():
+        err.append(lines.get())
+    err = "".join(err)
     assert proc.returncode == 130, err
     assert "interrupted: the workers were stopped" in err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err

@@ -139,8 +139,8 @@ def run_tree(where, keep_orphans):
 def test_sigkilled_main_process_leaves_no_child(tmp_path):
     tree, children = run_tree(str(tmp_path), keep_orphans=False)
     try:
-        left = wait_gone(tree, 5)
-        assert not left, f"alive 5 s after the main process was SIGKILLed: {left} (children {children})"
+        left = wait_gone(tree, 2)
+        assert not left, f"alive 2 s after the main process was SIGKILLed: {left} (children {children})"
     finally:
         kill_all(tree)
 

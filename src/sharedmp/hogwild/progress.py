@@ -1,5 +1,5 @@
-"""The parent's progress display: a tqdm bar fed by the board's shared counters, or, without
-tqdm (the demo extra's), a plain line on stderr every few seconds."""
+"""The parent's progress display: a tqdm bar fed by the board's shared counters or, without
+tqdm (the demo extra's) or a terminal, a plain line on stderr every few seconds."""
 from __future__ import annotations
 
 import sys
@@ -19,8 +19,10 @@ def progress_bar(total: int, label: str, enabled: bool) -> Any:
         from tqdm import tqdm
     except ImportError:               # tqdm is the demo extra's; plain lines do without it
         return _Lines(total, label)
+    if not sys.stderr.isatty():       # a log or a pipe: lines its reader can follow, not a bar
+        return _Lines(total, label)
     return tqdm(total=total, desc=label, unit="sample", unit_scale=True, leave=True,
-                dynamic_ncols=True, disable=None)
+                dynamic_ncols=True)
 
 
 class _Lines:
