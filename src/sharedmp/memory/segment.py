@@ -90,6 +90,7 @@ class Segment:
         self.fd = fd              # kept (memfd) so that this process can send it on; -1 if none
         self.name = name
         # where a named segment was made or found (the directory may change)
+        # where a named segment was made or found (the directory may change)
         self.path = path
         self.owner_pid = os.getpid() if owner else None
         self.mapping = weakref.ref(mm)
@@ -500,6 +501,7 @@ def attach_fd(fd: int) -> SegmentMapping:
         raise SegmentError(f"received fd {fd} is not usable: {e}") from None
     key = (st.st_dev, st.st_ino)
     # (one dict read needs no lock: this runs for every array received)
+    # one dict read, no lock: this runs for every array received
     seg = _by_key.get(key)
     mm = seg.mapping() if seg is not None else None
     if mm is not None:
@@ -546,6 +548,7 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
     if mm is not None:
         seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         if consume:
+            # this message's reference in flight is consumed
             # this message's reference in flight is consumed
             manager.received(seg.path)  # type: ignore[union-attr, arg-type]
         return mm

@@ -95,6 +95,7 @@ class ProcessContext:
         ready: list[Any] = multiprocessing.connection.wait(list(self.sentinels), timeout=timeout)
         failed = None
         # report the lowest failing index
+        # the lowest failing index is the one reported
         for sentinel in sorted(ready, key=self.sentinels.get):  # type: ignore[arg-type]
             index = self.sentinels.pop(sentinel)
             process = self.processes[index]
