@@ -33,17 +33,20 @@ class _Lines:
     def __init__(self, total: int, label: str) -> None:
         self.total, self.label, self.n = total, label, 0
         self.postfix: dict[str, str] = {}
-        self._t0 = self._last = time.monotonic()
+        self._t0 = self._last = self._t_n = time.monotonic()
 
     def set_description(self, label: str, refresh: bool = True) -> None:
         self.label = label
 
     def reset(self, total: int) -> None:
         self.total, self.n = total, 0
-        self._t0 = self._last = time.monotonic()
+        self._t0 = self._last = self._t_n = time.monotonic()
 
     def update(self, n: int) -> None:
-        self.n += n
+        if n:
+            self.n += n
+            self._t_n = time.monotonic()   # the rate is up to the last sample seen, not to
+                                           # the final evaluation that follows it
 
     def set_postfix(self, postfix: dict[str, str], refresh: bool = True) -> None:
         self.postfix = postfix
@@ -54,8 +57,8 @@ class _Lines:
         self._print()
 
     def _print(self) -> None:
-        self._last = now = time.monotonic()
-        rate = self.n / max(now - self._t0, 1e-9)
+        self._last = time.monotonic()
+        rate = self.n / max(self._t_n - self._t0, 1e-9)
         extra = "".join(f", {k} {v}" for k, v in self.postfix.items())
         done = self.n / max(self.total, 1)
         print(f"{self.label}: {self.n:,}/{self.total:,} samples ({done:.0%}), "
