@@ -9,7 +9,7 @@ import json
 import os
 import time
 
-from sharedmp.memory import segment
+from sharedmp.memory import leftovers, segment
 
 TIMEOUT = 60  # seconds for any join/get in a test (conftest.TIMEOUT is this one)
 
@@ -93,13 +93,8 @@ def children(pid):
 
 def proc_stat(pid):
     """(state, ppid, start time) of process ``pid`` from /proc, or None if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[1]), int(fields[19])
+    st = leftovers.proc_stat(pid)
+    return None if st is None else (st.state, st.ppid, st.start)
 
 
 def say(**kw):

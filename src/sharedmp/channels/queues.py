@@ -73,6 +73,7 @@ class _Held:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
+        # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
         self._held: dict[tuple[int, int], list[Any]] = {}
 
     def take(self, fds: list[int]) -> list[list[Any]]:

@@ -120,6 +120,12 @@ def _check(args):
     return errors
 
 
+def _lr(args):
+    """The learning rate the run uses: --lr, or the optimizer's default."""
+    from .. import training
+    return training.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+
+
 def _row(name, value):
     print(f"{name:<15} {value}", flush=True)
 
@@ -205,7 +211,7 @@ def _describe(args, data, factory):
     _row("workers", f"{args.workers} process{'es' * (args.workers > 1)} (spawn), "
                     "1 intra-op thread each; this machine has "
                     f"{cores} core{'s' * (cores > 1)}")
-    lr = training.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+    lr = _lr(args)
     shared = "parameters and Adam's moments and step shared" if args.optimizer == "adam" \
         else "parameters shared, gradients private"
     _row("optimizer", f"{args.optimizer}, lr {lr:g}, batch {args.batch_size}, "
@@ -273,7 +279,7 @@ def _lead(args):
         return 2
     factory = training.mlp_factory(data, _hidden(args.hidden))
     if env.rank == 0:
-        lr = training.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+        lr = _lr(args)
         _row("dataset", data.describe())
         _row("model", training.describe_model(factory()))
         _row("optimizer", f"{args.optimizer}, lr {lr:g}, batch {args.batch_size}, {args.epochs} "

@@ -18,8 +18,8 @@ def progress_bar(total: int, label: str, enabled: bool) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:               # tqdm is the demo extra's; plain lines do without it
-        return _Lines(total, label)
-    if not sys.stderr.isatty():       # a log or a pipe: lines its reader can follow, not a bar
+        tqdm = None
+    if tqdm is None or not sys.stderr.isatty():   # a log or a pipe: lines it can follow
         return _Lines(total, label)
     return tqdm(total=total, desc=label, unit="sample", unit_scale=True, leave=True,
                 dynamic_ncols=True)

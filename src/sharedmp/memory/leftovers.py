@@ -47,6 +47,7 @@ class ProcStat(NamedTuple):
     state: str                 # R, S, D, ... Z (zombie), X (dead)
     ppid: int
     pgrp: int
+    start: int                 # clock ticks after boot: tells a reused pid from its old process
 
     @property
     def alive(self) -> bool:
@@ -55,12 +56,13 @@ class ProcStat(NamedTuple):
 
 
 def proc_stat(pid: int) -> ProcStat | None:
-    """The state, parent and process group of ``pid``, or None if it is gone or unreadable."""
+    """The state, parent, process group and start time of ``pid``, or None if it is gone or
+    unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # The command name may hold spaces and parentheses: the fields follow its last ")".
             fields = f.read().rsplit(b")", 1)[1].split()
-        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]))
+        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
     except (OSError, IndexError, ValueError):
         return None
 

@@ -36,6 +36,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import forks
+from ..memory import leftovers
 
 if TYPE_CHECKING:
     import multiprocessing.process
@@ -103,7 +104,8 @@ def arm(parent_pid, via_forkserver):
     ppid = os.getppid()
     if via_forkserver:
         _close_forkserver_alive_fd()
-        alive = _parent_of(ppid) in (parent_pid, None)   # None: cannot tell; the signal will
+        st = leftovers.proc_stat(ppid)
+        alive = st is None or st.ppid == parent_pid       # None: cannot tell; the signal will
     else:
         alive = ppid == parent_pid
     if not alive:
@@ -117,17 +119,6 @@ def _close_forkserver_alive_fd():
     if fd is not None and getattr(server, "_forkserver_pid", 0) is None:   # not our own server's
         server._forkserver_alive_fd = None
         os.close(fd)
-
-
-def _parent_of(pid):
-    """The parent pid of ``pid`` from /proc, or None if it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'.
-    return int(stat[stat.rindex(b")") + 2:].split()[1])
 
 
 # ---------------------------------------------------------------------------------------
