@@ -16,11 +16,15 @@ never waiting for an answer, one line each, ``<op> <path>``:
     R  received: this client holds it, and one in-flight reference is consumed
     D  dropped: this client no longer maps it
     F  forget: this client does not hold it after all (a name that was taken), never unlink
-    T  ``T <id> <path>\0<path>...``: one more reference in flight for each path, held by the
-       client's token ``id``; its first record passes the token, the read end of a pipe
-       (SCM_RIGHTS), whose write end travels in the messages. When every copy of the
-       write end is closed (the messages were received, or can no longer be), the pipe
-       ends and the references with it.
+    T  ``T <id> <path>\0<path>...``: a new token ``id`` of the client, passed with the record
+       (SCM_RIGHTS: the read end of a pipe whose write end travels in the messages), and one
+       more reference in flight for each path, held by it. When every copy of the write
+       end is closed (the messages were received, or can no longer be), the pipe ends and
+       the references with it.
+    t  ``t <id> <path>\0<path>...``: the same for a token already passed. The pipe and the
+       socket are read in no set order, so this may be read after the token's end: its
+       messages are gone by then (a receiver says ``H`` before it closes its copy), and
+       these references are not counted.
     ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight> <tokens>``
        (diagnostics; tokens: the open ones, and the ids clients may still use)
 
@@ -122,8 +126,8 @@ class Daemon:
         return seg
 
     def apply(self, client, op, path):
-        if op == b"T":
-            self._carry(client, path)
+        if op in (b"T", b"t"):
+            self._carry(client, path, op == b"T")
             return
         if not (os.path.isabs(path) and NAME_RE.match(os.path.basename(path))):
             return                                   # not a sharedmp segment: never touch it
@@ -151,10 +155,12 @@ class Daemon:
                 if op == b"F" and seg.unused():
                     self._forget(path)
 
-    def _carry(self, client, rest):
+    def _carry(self, client, rest, new):
         ident, _, paths = rest.partition(" ")
         token = client.tokens.get(ident)
         if token is None:
+            if not new:
+                return                             # the token has ended: see ``t`` above
             if not client.fds:
                 token = Token(-1, client, ident)   # its pipe did not arrive: in flight until exit
             else:

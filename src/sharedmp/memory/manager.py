@@ -303,7 +303,8 @@ class Tokens:
                 os.close(r)
             self._last = weakref.ref(token)
         else:
-            _post(b"T", b"%d " % token.id + b"\0".join(map(os.fsencode, paths)))
+            # (``t``: a token the daemon has, or has seen end; see daemon.py)
+            _post(b"t", b"%d " % token.id + b"\0".join(map(os.fsencode, paths)))
         fds.append(token.fd)
         fds.keep.append(token)
 

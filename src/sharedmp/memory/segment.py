@@ -549,7 +549,6 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
         seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         if consume:
             # this message's reference in flight is consumed
-            # this message's reference in flight is consumed
             manager.received(seg.path)  # type: ignore[union-attr, arg-type]
         return mm
     manager.ensure()
