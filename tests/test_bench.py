@@ -49,11 +49,14 @@ def test_every_workload_and_system_measured(tiny_run):
     proc, report, _, _ = tiny_run
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     ids = [w["id"] for w in report["workloads"]]
-    assert ids == ["W1", "W2", "W3", "W4", "W5", "W6", "W7"]
-    queue_systems = ["sharedmp", "sharedmp_fs", "stdlib"] + (["sharedmp_torch", "torch_fd", "torch_fs"] if HAVE_TORCH else [])
+    assert ids == ["W1", "W2", "W3", "W4", "W5", "W6", "P1", "P2", "P3", "W7"]
+    torch_systems = {"sharedmp_torch", "sharedmp_torch_fs", "torch_fd", "torch_fs", "torch_spawn"}
     loader_systems = ["sharedmp_torch", "torch_fd", "torch_spawn"] if HAVE_TORCH else []
+    assert [w["systems"] for w in report["workloads"] if w["id"] == "W7"] == [
+        ["sharedmp_torch", "torch_fd", "torch_spawn"]]
     for w in report["workloads"]:
-        systems = loader_systems if w["id"] == "W7" else queue_systems
+        systems = [s for s in w["systems"] if HAVE_TORCH or s not in torch_systems]
+        assert "sharedmp" in systems or "sharedmp_torch" in systems or not HAVE_TORCH, w
         for system in systems:
             res = report["results"][w["id"]][system]
             assert res is not None and res["status"] == "ok", (w["id"], system, res)
@@ -64,10 +67,7 @@ def test_every_workload_and_system_measured(tiny_run):
                     assert isinstance(res["fds"], int) and res["fds"] >= 0, (w["id"], system, res)
                 else:
                     assert res[metric] > 0, (w["id"], system, metric, res)
-    for w in report["workloads"]:             # the columns that do not run a workload: n/a
-        absent = {"W7": ["sharedmp", "sharedmp_fs", "torch_fs", "stdlib"]}.get(w["id"], ["torch_spawn"])
-        absent += [] if HAVE_TORCH else ["sharedmp_torch", "torch_fd", "torch_fs", "torch_spawn"]
-        for system in absent:
+        for system in set(report["results"][w["id"]]) - set(systems):   # not run there: n/a
             assert report["results"][w["id"]][system] is None, (w["id"], system)
     if HAVE_TORCH:
         w7 = report["results"]["W7"]
@@ -85,7 +85,8 @@ def test_bounds_ratios_and_metadata(tiny_run):
     assert b["foreign_modules"] == []          # the bounds worker imported neither sharedmp nor torch
     assert report["ratios"]["W1:msgs"]["vs_stdlib"] > 0
     assert report["ratios"]["W3:gbps"]["vs_alloc_fill_bound"] > 0
-    assert {t["workload"] for t in report["targets"]} == {"W1", "W2", "W3", "W4", "W5", "W6", "W7"}
+    assert {t["workload"] for t in report["targets"]} == {"W1", "W2", "W3", "W4", "W5", "W6", "W7",
+                                                          "P1", "P2", "P3"}
     if HAVE_TORCH:
         for key in ("W1:msgs", "W2:gbps", "W3:gbps", "W4:msgs", "W5:msgs"):
             assert report["ratios"][key]["torch_vs_numpy"] > 0, key

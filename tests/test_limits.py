@@ -169,3 +169,92 @@ def test_memory_cgroup(strategy):
         _rmdir_when_empty(path)
     assert out["small"] == "ok" and out["64 MiB"] == "ok", out
     assert out["512 MiB"].startswith("OutOfSharedMemory") and "cgroup" in out["512 MiB"], out
+
+
+KEEP = """
+import resource, sys, torch
+import sharedmp as mp
+
+def consume(q, r, n):
+    kept = [q.get(timeout=120) for _ in range(n)]          # every tensor received is kept
+    r.put((sum(int(t[0]) for t in kept), all(mp.is_shared(t) for t in kept)))
+
+if __name__ == "__main__":
+    strategy, n = sys.argv[1], int(sys.argv[2])
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # children and daemon inherit it
+    mp.set_sharing_strategy(strategy)
+    ctx = mp.get_context("spawn")
+    q, r = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=consume, args=(q, r, n))
+    p.start()
+    for i in range(n):
+        q.put(torch.full((256,), float(i)))                 # plain tensors, not shared yet
+    print(r.get(timeout=120), flush=True)
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+"""
+
+
+@pytest.mark.parametrize("n", [2000, 20000])
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_kept_tensors_under_an_fd_limit_of_256(strategy, n, tmp_path):
+    # file_system exists for this: many kept tensors under a low fd limit. Its daemon holds
+    # a few pipes per channel end, not one per message in flight (it died of EMFILE once).
+    pytest.importorskip("torch")
+    shm = tempfile.mkdtemp(prefix="sharedmp-limits-", dir="/dev/shm")
+    env = dict(os.environ, SHAREDMP_SHM_DIR=shm)
+    env.pop("SHAREDMP_MANAGER", None)
+    script = tmp_path / "keep.py"
+    script.write_text(KEEP)
+    try:
+        proc = subprocess.run([sys.executable, str(script), strategy, str(n)], env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split("\n")[-2] == f"({n * (n - 1) // 2}, True)", proc.stdout
+        deadline = time.monotonic() + 30
+        while os.listdir(shm) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.listdir(shm), f"segments left behind: {os.listdir(shm)}"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_daemon_out_of_fds_refuses_new_clients_clearly_and_serves_the_others():
+    # The daemon's fd limit lowered (prlimit) until it cannot accept a client: that client is
+    # told why and what to do; the daemon keeps serving, and leaves nothing behind.
+    out = run("""
+        import socket
+        from sharedmp.memory import manager
+        mp.set_sharing_strategy("file_system")
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        for i in range(100):
+            q.put(mp.full(10, i))                        # in flight while the daemon is full
+        pid = manager.daemon_pid()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (48, 48))
+        held, reply = [], b""
+        while len(held) < 100:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(manager.address())
+            s.settimeout(30)
+            reply = s.recv(4096)
+            held.append(s)
+            if not reply.startswith(b"OK "):
+                break
+        out["reply"] = reply.decode()
+        out["refused_after"] = len(held)
+        def clear_error():
+            manager._hello(manager.address())
+        attempt("hello while full", clear_error)
+        for s in held:
+            s.close()
+        got = [int(q.get(timeout=30)[0]) for _ in range(100)]
+        out["received"] = got == list(range(100))
+        attempt("served after", lambda: [q.put(mp.full(1 << 18, 1.0)), q.get(timeout=30)])
+        out["daemon"] = manager.stats()["clients"] >= 1
+    """)
+    assert out["reply"].startswith("FULL ") and "ulimit -n" in out["reply"], out
+    assert out["refused_after"] > 10, out
+    hello = out["hello while full"]
+    assert hello.startswith("ManagerError") and "ulimit -n" in hello and "(48)" in hello, hello
+    assert out["received"] and out["served after"] == "ok" and out["daemon"], out

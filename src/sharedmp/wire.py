@@ -174,7 +174,9 @@ def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffe
     finally:
         swap(prev)
     if oob.names:
-        (tokens or manager.Tokens()).carry(oob.names, oob.fds)
+        fd, owner = (tokens or manager.Tokens()).carry(oob.names)
+        oob.fds.append(fd)
+        oob.fds.keep.append(owner)
     return buf.getbuffer(), oob.fds, 0
 
 

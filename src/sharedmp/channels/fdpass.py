@@ -141,21 +141,34 @@ def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] 
 
 def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), flags: int = 0,
                    window: Window | None = None) -> bool:
-    """Send one frame now if it is one plain record, needs no flight token, and the socket
-    takes it at once; False (nothing sent) if it would wait or fail: then ``send_frame``
-    it, which waits or raises."""
-    if len(payload) > RECORD - HEADER.size or len(fds) > MAX_FDS_PER_MSG:
+    """Send one frame now if it is one plain record, the window has room for it (so that
+    sending it would not wait), and the socket takes it at once; False (nothing sent, nothing
+    counted) otherwise: then ``send_frame`` it, which waits or raises. A message that brings
+    the window's uncounted bytes to a step carries its flight token here too: sending it
+    through a thread instead would send every message after it that way too."""
+    nfds = len(fds)
+    if len(payload) > RECORD - HEADER.size or nfds >= MAX_FDS_PER_MSG:
         return False
     flight = getattr(fds, "flight", 0)
-    if window is not None and not window.untracked(flight):
-        return False
-    try:
-        _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, len(fds), len(payload)), payload], fds,
-                 block=False)
-    except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
-        return False                  # queued whole or not at all, so nothing went out
+    pair = None
     if window is not None:
-        window.count(flight)
+        if not window.room(flight):
+            return False
+        pair = window.open(flight)
+    try:
+        if pair is None:
+            _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, nfds, len(payload)), payload],
+                     fds, block=False)
+        else:
+            _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags | FLIGHT_TOKEN, nfds, len(payload)),
+                            payload], [*fds, pair[1]], block=False)
+    except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
+        if window is not None:        # queued whole or not at all, so nothing went out
+            window.cancel(None if pair is None else pair[0], flight)
+        return False
+    finally:
+        if pair is not None:
+            os.close(pair[1])         # the message's copy is the one that counts
     return True
 
 

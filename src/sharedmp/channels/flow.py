@@ -74,6 +74,11 @@ class Window:
         """The write end of a token for a message of ``nbytes`` of flight, or None when the
         message goes without one (its bytes are counted with a later one). The caller
         sends it with the message and closes it."""
+        pair = self.open(nbytes)
+        return None if pair is None else pair[1]
+
+    def open(self, nbytes: int) -> tuple[int, int] | None:
+        """token(), as (read end, write end): ``cancel(read end, nbytes)`` undoes it."""
         if nbytes <= 0:
             return None
         with self._lock:
@@ -84,17 +89,27 @@ class Window:
             self._tokens[r] = self._uncounted
             self.flight += self._uncounted
             self._uncounted = 0
-            return w
+            return r, w
 
-    def untracked(self, nbytes: int) -> bool:
-        """Whether a message of ``nbytes`` of flight would go without a token and not wait."""
-        return self.flight <= self.limit and self._uncounted + nbytes < self.step
+    def cancel(self, r: int | None, nbytes: int) -> None:
+        """The message of ``open(nbytes)`` was not sent: as if it had never been counted."""
+        with self._lock:
+            if r is None:
+                self._uncounted -= nbytes
+                return
+            counted = self._tokens.pop(r)
+            self.flight -= counted
+            self._uncounted += counted - nbytes
+            os.close(r)
 
-    def count(self, nbytes: int) -> None:
-        """A message of ``nbytes`` went without a token: a later one counts them."""
-        if nbytes:
-            with self._lock:
-                self._uncounted += nbytes
+    def room(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` of flight would be sent without waiting: it and
+        everything not yet taken fit in the window (tokens of messages taken are let go
+        first, without waiting)."""
+        if self.flight + self._uncounted + nbytes <= self.limit:
+            return True
+        self.reap()
+        return self.flight + self._uncounted + nbytes <= self.limit
 
     def wait(self) -> None:
         """Once the window is full: block until receivers have taken half of it."""

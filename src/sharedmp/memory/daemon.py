@@ -46,13 +46,17 @@ How it fails:
 - The daemon SIGKILLed: clients see the connection end and raise ``ManagerError`` on
   their next file_system allocation or attach; the segments stay until
   ``python -m sharedmp doctor --clean`` removes those no live process maps or holds open.
-  The daemon holds an fd of each segment with references in flight, so doctor never
-  removes one that a message still carries.
+  While it lives, the daemon holds an fd of each segment with references in flight (within
+  a quarter of its fd limit), so doctor does not remove one that a message still carries.
+- Out of fds (EMFILE, ENFILE): it answers a client it cannot take ``FULL <why>`` on a spare
+  fd kept for that, and serves the others. Its own fds: a socket per client and a pipe per
+  open token (a few per channel end, ``manager.Tokens``), not one per message.
 - Every client gone: the daemon waits up to ``LINGER`` seconds for a new one if
   references are still in flight, then unlinks whatever is left and exits.
 """
 import array
 import collections
+import errno
 import os
 import re
 import resource
@@ -117,6 +121,10 @@ class Daemon:
         self.tokens = {}           # read end fd -> Token
         self.seen_client = False
         self.started = time.monotonic()
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.fd_budget = max(0, limit // 4 - 16)   # fds of segments in flight (see ``S``)
+        self.held_fds = 0
+        self.spare = _spare()      # closed to answer a client when out of fds (``accept``)
 
     # -- records ---------------------------------------------------------------------
     def _segment(self, path, create):
@@ -137,9 +145,13 @@ class Daemon:
         elif op == b"S":
             seg = self._segment(path, True)
             seg.inflight += 1
-            if seg.fd < 0:             # doctor --clean sees the file in use while in flight
+            # doctor --clean sees the file in use while in flight. Only within a budget of
+            # fds: the daemon's fds must not grow with what is in flight (it keeps working
+            # without them; a live daemon's segments are left alone by doctor's age rule).
+            if seg.fd < 0 and self.held_fds < self.fd_budget:
                 try:
                     seg.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    self.held_fds += 1
                 except OSError:
                     pass
         elif op == b"R":
@@ -198,6 +210,7 @@ class Daemon:
         seg = self.segments.pop(path)
         if seg.fd >= 0:
             os.close(seg.fd)
+            self.held_fds -= 1
 
     def _unlink(self, path):
         self._forget(path)
@@ -211,6 +224,10 @@ class Daemon:
         try:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self.refuse(e)
             return
         sock.setblocking(False)
         if peer_uid(sock) not in (None, self.uid):
@@ -228,6 +245,28 @@ class Daemon:
         self.clients[sock.fileno()] = Client(sock)
         self.sel.register(sock, selectors.EVENT_READ)
         self.seen_client = True
+
+    def refuse(self, e):
+        """Out of fds (EMFILE, ENFILE): tell the client that cannot be taken why, on the fd
+        kept spare for it, and keep serving the others."""
+        if self.spare >= 0:
+            os.close(self.spare)
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            time.sleep(0.01)         # nothing can be answered now: do not spin on the backlog
+        else:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            scope = "the system's" if e.errno == errno.ENFILE else f"its fd limit ({soft})"
+            try:
+                sock.sendall(b"FULL the manager daemon has used %s open files (%s): raise the "
+                             b"limit (`ulimit -n`) before the program starts, or use the "
+                             b"'file_descriptor' strategy\n"
+                             % (scope.encode(), os.strerror(e.errno).encode()))
+            except OSError:
+                pass
+            sock.close()
+        self.spare = _spare()
 
     def drop(self, client):
         self.sel.unregister(client.sock)
@@ -340,6 +379,13 @@ class Daemon:
             self._unlink(path)
 
 
+def _spare():
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
 def peer_uid(sock):
     """The uid of the peer process (SO_PEERCRED), or None where the platform has no such call."""
     if not hasattr(socket, "SO_PEERCRED"):
@@ -352,7 +398,8 @@ def main(argv):
     path, fd = argv[1], int(argv[2])
     listener = socket.socket(fileno=fd)
     listener.setblocking(False)
-    # One fd per segment with references in flight: allow as many as the hard limit does.
+    # A socket per client and a pipe per open token (a few per channel end): allow as many
+    # as the hard limit does.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

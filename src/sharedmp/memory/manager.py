@@ -14,12 +14,13 @@ Records go out in order on one socket; a record posted from a finalizer (``dropp
 never blocks on the lock: a thread holding it sends what is queued before it leaves.
 
 A message of a sharedmp channel carries a token fd beside its segments' fds: the write
-end of a pipe whose read end the daemon holds (passed once, with the token's first ``T``
-record). The kernel closes every copy of it when the message can no longer be received:
-the receiver has read it (and told the daemon it holds the names, ``H``), the channel was
-destroyed with the message unread, or the sender died before the message was sent. The
-daemon sees the end of the pipe and drops the references. Messages waiting together in
-one channel's feeder share their token. Elsewhere (a standard channel, spawn arguments)
+end of a pipe whose read end the daemon holds (passed with the token's ``T`` record). Each
+channel end keeps one token for its messages (``Tokens``: ``ROTATE`` s, at most
+``MAX_OPEN`` open) and tells the daemon once per token and name (``t``). The kernel closes
+every copy of the write end once the channel end has let go and each message that carries
+it can no longer be received (read: the receiver told the daemon it holds the names, ``H``,
+before; the channel destroyed unread; the sender died before sending). The daemon sees the
+end of the pipe and drops the references. Elsewhere (a standard channel, spawn arguments)
 ``sent`` counts one reference that the receiver's ``received`` consumes.
 
 Which daemon: the one named by ``$SHAREDMP_MANAGER`` (inherited from the process that
@@ -33,17 +34,15 @@ import collections
 import itertools
 import os
 import socket
-import subprocess
 import sys
-import tempfile
+import select
 import threading
+import time
 import weakref
-from typing import TYPE_CHECKING
 
+from .. import forks
 from ..errors import ManagerError
-
-if TYPE_CHECKING:
-    from ..channels.fdpass import Fds
+from . import cache
 
 ENV = "SHAREDMP_MANAGER"
 HELLO_TIMEOUT = 10.0
@@ -95,6 +94,9 @@ def _hello(path):
         except socket.timeout:
             raise ManagerError(f"the sharedmp manager daemon at {path} did not answer within "
                                f"{HELLO_TIMEOUT:.0f} s (is the machine overloaded?)") from None
+        if reply.startswith(b"FULL "):
+            raise ManagerError(f"the sharedmp manager daemon at {path} cannot take this process: "
+                               f"{reply[5:].decode(errors='replace').strip()}")
         if reply.startswith(b"NO "):
             raise ManagerError(f"the sharedmp manager daemon at {path} refused this process: "
                                f"{reply[3:].decode(errors='replace').strip()}; unset ${ENV} to "
@@ -113,12 +115,17 @@ def _hello(path):
 
 def _runtime_dir():
     d = os.environ.get("XDG_RUNTIME_DIR")
-    return d if d and os.access(d, os.W_OK | os.X_OK) else tempfile.gettempdir()
+    if d and os.access(d, os.W_OK | os.X_OK):
+        return d
+    import tempfile                      # (deferred, as below: most programs never need them)
+    return tempfile.gettempdir()
 
 
 def _start():
     """Start a daemon of our own; the (connection, pid, path)."""
     global _popen
+    import subprocess
+    import tempfile
     directory = tempfile.mkdtemp(prefix="sharedmp-", dir=_runtime_dir())     # mode 0700
     path = os.path.join(directory, "manager.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -257,56 +264,157 @@ def dropped(path: str) -> None:
         _post(b"D", path, wait=False)
 
 
+# A channel end keeps its token for ROTATE seconds of sends (then the next message opens a
+# new one), and at most MAX_OPEN of its tokens open at once (past that it keeps the current
+# one longer): so the daemon holds at most MAX_OPEN + 1 pipes per channel end and sending
+# process, however many messages are in flight.
+ROTATE = 0.05
+MAX_OPEN = 8
+
+
 class _Token:
-    """The write end of a token pipe (closed when the last message that carries it is gone).
+    """The write end of a token pipe: open while the channel end may reuse it for a next
+    message, or while a message that carries it waits to be sent (``Fds.keep``).
 
     Closed by a ``weakref.finalize``, not ``__del__``: CPython runs ``__del__`` before it
-    clears the weak references, so another thread's ``Tokens.carry`` could take the dying
-    token back through ``Tokens._last`` with its fd already closed (and later send whatever
-    file reused the number). A finalizer runs once the weak references are dead."""
+    clears the weak references, so a thread could take a dying token back with its fd
+    already closed (and later send whatever file reused the number)."""
 
-    __slots__ = ("fd", "id", "generation", "__weakref__")
+    __slots__ = ("fd", "id", "generation", "opened", "used", "paths", "__weakref__")
 
-    def __init__(self, fd, ident):
+    def __init__(self, fd, ident, now):
         self.fd, self.id, self.generation = fd, ident, _generation
-        weakref.finalize(self, os.close, fd)
+        self.opened = self.used = now
+        self.paths = set()              # the names the daemon knows it holds in flight
+        weakref.finalize(self, _close_unless_forked, fd, os.getpid())
+
+
+def _close_unless_forked(fd, pid):
+    if os.getpid() == pid:              # (a forked child closed its copy at the fork)
+        os.close(fd)
 
 
 _token_ids = itertools.count(1)
 
 
 class Tokens:
-    """The token of one channel in this process, shared by its messages not sent yet."""
+    """The token of one channel end in this process, shared by the messages it sends.
 
-    __slots__ = ("_last",)
+    Each message of named segments carries a copy of the current token's write end; the
+    daemon holds the read end, with one reference in flight for each name the token has
+    carried. The pipe ends, and those references with it, once this end has let go of
+    the token (``ROTATE`` s after it opened, when unused for the cache's idle time, at
+    ``mp.empty_cache()``, or with the channel) and every message that carries it has
+    been received or can no longer be. This end keeps a read end of each of its tokens
+    too, to count those still open (``MAX_OPEN``)."""
+
+    __slots__ = ("_current", "_open", "_lock", "__weakref__")
 
     def __init__(self) -> None:
-        # weakref to the _Token of the last message
-        self._last: "weakref.ref[_Token] | None" = None
+        self._current: "_Token | None" = None
+        self._open: list[int] = []       # read ends of this end's tokens not yet ended
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_reads, self._open, os.getpid())
+        _all_tokens.add(self)
 
-    def carry(self, paths: list[str], fds: "Fds") -> None:
-        """Count one reference in flight for each of ``paths``, held by the token that this
-        message carries: its fd is appended to ``fds`` (and the token kept with it)."""
+    def carry(self, paths: list[str]) -> "tuple[int, object]":
+        """Count one reference in flight for each of ``paths`` (once per token): the fd the
+        message carries, and the object that keeps it open until the message is sent."""
         ensure()
-        token = self._last() if self._last is not None else None
-        if token is None or token.generation != _generation:
-            r, w = os.pipe2(os.O_CLOEXEC)
-            try:
-                token = _Token(w, next(_token_ids))
-            except BaseException:
-                os.close(r)
-                os.close(w)
-                raise
-            try:
-                _post(b"T", b"%d " % token.id + b"\0".join(map(os.fsencode, paths)), fd=r)
-            finally:
-                os.close(r)
-            self._last = weakref.ref(token)
-        else:
-            # (``t``: a token the daemon has, or has seen end; see daemon.py)
-            _post(b"t", b"%d " % token.id + b"\0".join(map(os.fsencode, paths)))
-        fds.append(token.fd)
-        fds.keep.append(token)
+        with self._lock:
+            now = time.monotonic()
+            token = self._current
+            if token is None or token.generation != _generation or (
+                    now - token.opened > ROTATE and self._room()):
+                token = self._current = self._new(now)
+            new = [p for p in paths if p not in token.paths]
+            if new:
+                token.paths.update(new)
+                # (``t``: a token the daemon has, or has seen end; see daemon.py)
+                _post(b"t", b"%d " % token.id + b"\0".join(map(os.fsencode, new)))
+            token.used = now
+            return token.fd, token
+
+    def _room(self):
+        """(lock held) Whether another token may open: fewer than MAX_OPEN still open."""
+        if len(self._open) < MAX_OPEN:
+            return True
+        poller = select.poll()
+        for r in self._open:
+            poller.register(r, select.POLLIN)
+        for r, _ in poller.poll(0):                  # ended: every copy of its write end closed
+            self._open.remove(r)
+            os.close(r)
+        return len(self._open) < MAX_OPEN
+
+    def _new(self, now):
+        """(lock held) A new token, its read end passed to the daemon (with no reference)."""
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            token = _Token(w, next(_token_ids), now)
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        try:
+            _post(b"T", b"%d " % token.id, fd=r)
+        except BaseException:
+            os.close(r)
+            raise
+        self._open.append(r)
+        cache.start()                   # lets it go once unused (``expire``)
+        return token
+
+    def expire(self, cutoff):
+        """Let go of the current token if unused since ``cutoff`` (None: now); whether one
+        is kept. While MAX_OPEN are open it is kept: the next message would open another."""
+        with self._lock:
+            token = self._current
+            if token is not None and (cutoff is None or token.used < cutoff and self._room()):
+                self._current = None
+            return self._current is not None
+
+    def _after_fork(self):
+        """(in a forked child) The parent's token is the parent's: close the copies."""
+        self._lock = threading.Lock()
+        if self._current is not None:
+            os.close(self._current.fd)
+            self._current = None
+        for r in self._open:
+            os.close(r)
+        self._open.clear()
+
+
+def _close_reads(fds, pid):
+    if os.getpid() == pid:
+        for r in fds:
+            os.close(r)
+
+
+_all_tokens: "weakref.WeakSet[Tokens]" = weakref.WeakSet()
+
+
+def _expire_tokens(cutoff):
+    kept = False
+    for tokens in list(_all_tokens):
+        kept = tokens.expire(cutoff) or kept
+    return kept
+
+
+@forks.in_child
+def _tokens_after_fork():
+    for tokens in list(_all_tokens):
+        tokens._after_fork()
+
+
+def _held_tokens():
+    """(bytes, fds) of the tokens this process keeps: the write ends kept for reuse (the
+    names they hold in flight are counted where they are mapped) and the read ends."""
+    tokens = list(_all_tokens)
+    return 0, sum((t._current is not None) + len(t._open) for t in tokens)
+
+
+cache.register(0, "tokens", _expire_tokens, _held_tokens)
 
 
 def address() -> str:

@@ -6,6 +6,7 @@ SYSTEMS = [                       # (key, column title)
     ("sharedmp", "sharedmp"),
     ("sharedmp_fs", "sharedmp fs"),
     ("sharedmp_torch", "sharedmp torch"),
+    ("sharedmp_torch_fs", "sharedmp torch fs"),
     ("torch_fd", "torch fd"),
     ("torch_fs", "torch fs"),
     ("torch_spawn", "torch spawn"),
@@ -14,10 +15,12 @@ SYSTEMS = [                       # (key, column title)
 QUEUE_SYSTEMS = ["sharedmp", "sharedmp_fs", "sharedmp_torch", "torch_fd", "torch_fs",  # W1-W6
                  "stdlib"]
 COLORS = {"sharedmp": "#d62728", "sharedmp_fs": "#e377c2", "sharedmp_torch": "#ff9896",
+          "sharedmp_torch_fs": "#c5b0d5",
           "torch_fd": "#1f77b4", "torch_fs": "#9ecae1", "torch_spawn": "#17becf",
           "stdlib": "#7f7f7f"}
 LONG_NAMES = {"sharedmp": "sharedmp (file_descriptor)", "sharedmp_fs": "sharedmp file_system",
               "sharedmp_torch": "sharedmp, torch tensors",
+              "sharedmp_torch_fs": "sharedmp file_system, torch tensors (P3 only)",
               "torch_fd": "torch file_descriptor (W7: torch's default DataLoader, fork)",
               "torch_fs": "torch file_system", "torch_spawn": "torch DataLoader, spawn (W7 only)",
               "stdlib": "stdlib (pickled by value)"}
@@ -71,6 +74,15 @@ WORKLOADS = [
          metrics=["msgs"], stdlib_fraction=0.1),
     dict(id="W6", n=5000, kind="fresh", shape=[256], keep=True,
          title="fds held while keeping the 1 KiB arrays alive", metrics=["fds"]),
+    # What most users send: arrays and tensors made by NumPy or torch, not in shared memory
+    # yet (sharedmp copies each into its arenas at put(), torch moves each tensor's storage)
+    dict(id="P1", n=5000, kind="plain", shape=[256], title="plain NumPy 1 KiB array each",
+         metrics=["msgs"], systems=["sharedmp", "sharedmp_fs", "torch_fd", "torch_fs", "stdlib"]),
+    dict(id="P2", n=1000, kind="plain", shape=[256 * 1024], title="plain NumPy 1 MiB array each",
+         metrics=["msgs"], systems=["sharedmp", "sharedmp_fs", "torch_fd", "torch_fs", "stdlib"]),
+    dict(id="P3", n=5000, kind="plain", shape=[256], title="plain torch 1 KiB tensor each",
+         metrics=["msgs"], systems=["sharedmp_torch", "sharedmp_torch_fs", "torch_fd",
+                                    "torch_fs", "stdlib"]),
     dict(id="W7", n=1000, kind="dataloader", batch=64,
          title="DataLoader batches of 64 dicts of 3 tensors", metrics=["batches"],
          systems=["sharedmp_torch", "torch_fd", "torch_spawn"]),
@@ -93,6 +105,12 @@ TARGETS = [   # (workload, metric, system, against, at least / at most, factor, 
     ("W6", "fds", "sharedmp_torch", "sharedmp", "<=", None, "W6 torch fds <= sharedmp NumPy fds"),
     ("W7", "batches", "sharedmp_torch", "torch_fd", ">=", 5,
      "W7 >= 5x torch's default DataLoader"),
+    ("P1", "msgs", "sharedmp", "stdlib", ">=", 2, "P1 plain 1 KiB >= 2x stdlib"),
+    ("P2", "msgs", "sharedmp", "stdlib", ">=", 10, "P2 plain 1 MiB >= 10x stdlib"),
+    ("P1", "msgs", "sharedmp_fs", "sharedmp", ">=", 0.5, "P1 file_system >= 0.5x fd"),
+    ("P2", "msgs", "sharedmp_fs", "sharedmp", ">=", 0.5, "P2 file_system >= 0.5x fd"),
+    ("P3", "msgs", "sharedmp_torch_fs", "sharedmp_torch", ">=", 0.5,
+     "P3 file_system >= 0.5x fd"),
 ]
 
 

@@ -20,7 +20,8 @@ GB = 1e9
 F32 = 4
 TORCH_STRATEGY = {"torch_fd": "file_descriptor", "torch_fs": "file_system",
                   "torch_spawn": "file_descriptor"}
-TORCH_SYSTEMS = {"sharedmp_torch", *TORCH_STRATEGY}      # the systems that send torch tensors
+# the systems that send torch tensors
+TORCH_SYSTEMS = {"sharedmp_torch", "sharedmp_torch_fs", *TORCH_STRATEGY}
 W7_WORKERS = 2
 BOUNDS_ELEMENTS = 16 * MiB                                # the bounds' 64 MiB of float32
 
@@ -50,12 +51,12 @@ def _nfds():
 
 def _context(system):
     """The spawn context of ``system`` (importing only what it needs)."""
-    if system in ("sharedmp", "sharedmp_fs", "sharedmp_torch"):
-        if system == "sharedmp_torch":
+    if system in ("sharedmp", "sharedmp_fs", "sharedmp_torch", "sharedmp_torch_fs"):
+        if system in TORCH_SYSTEMS:
             import torch
             torch.set_num_threads(1)
         import sharedmp
-        if system == "sharedmp_fs":
+        if system.endswith("_fs"):
             sharedmp.set_sharing_strategy("file_system")
         return sharedmp.get_context("spawn")
     if system in TORCH_STRATEGY:
@@ -83,7 +84,7 @@ def _maker(system, w):
             a.fill_(v)
             return a
     else:
-        if system in ("sharedmp", "sharedmp_fs"):
+        if system in ("sharedmp", "sharedmp_fs") and w["kind"] != "plain":
             import sharedmp
             empty = sharedmp.empty
         else:
@@ -96,7 +97,7 @@ def _maker(system, w):
             a.fill(v)
             return a
 
-    if kind == "fresh":
+    if kind in ("fresh", "plain"):       # (plain: NumPy's or torch's own memory, for all)
         shape = tuple(w["shape"])
         return lambda i: fill(new(shape), i)
     if kind == "state_dict":
@@ -135,6 +136,7 @@ def _toucher(system):
 def _foreign_modules(system):
     """The modules that must not be loaded in this system's processes but are."""
     banned = {"sharedmp": ["torch"], "sharedmp_fs": ["torch"], "sharedmp_torch": [],
+              "sharedmp_torch_fs": [],
               "stdlib": ["sharedmp", "torch"]}.get(system, ["sharedmp"])
     return [m for m in banned if m in sys.modules]
 
