@@ -232,3 +232,10 @@ def put_until_blocked(q, started):
     started.set()
     while True:
         q.put(b"x" * 200_000)
+
+
+def get_then_set(q, started, got):
+    """Tell the test it is about to get(), get one item, then set ``got``."""
+    started.set()
+    q.get()
+    got.set()

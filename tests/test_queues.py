@@ -9,6 +9,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -20,7 +21,9 @@ from sharedmp.channels import fdpass, queues
 from sharedmp.channels.connection import dumps
 
 import _channel_workers as cw
-from conftest import TIMEOUT, eventually, join_or_kill, proc_stat, start_process
+from conftest import TIMEOUT, eventually, join_or_kill, proc_stat, run_bounded, start_process
+
+POOL_DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_pool_driver.py")
 
 UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
 KINDS = ["Queue", "JoinableQueue", "SimpleQueue"]
@@ -666,3 +669,58 @@ def test_producer_killed_in_a_blocked_put_does_not_block_the_others(kind):
     # whole messages only, however it was killed
     assert got and all(x == b"x" * 200_000 for x in got)
     assert q.get() == "after"
+
+
+# -- get() takes _rlock, as multiprocessing's does ----------------------------------------------
+# multiprocessing.pool's _help_stuff_finish holds the task queue's _rlock and drains it with
+# poll() then recv(): a worker that took a record in between would leave that recv() blocked
+# for good (Pool.terminate() hung so, issue 26).
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_get_waits_while_another_process_holds_rlock(start_method, kind):
+    ctx = mp.get_context(start_method)
+    q, started, got = getattr(ctx, kind)(), ctx.Event(), ctx.Event()
+    q.put("x")
+    assert eventually(lambda: not q.empty(), collect=False)
+    q._rlock.acquire()
+    p = start_process(ctx, cw.get_then_set, q, started, got)
+    try:
+        try:
+            assert started.wait(TIMEOUT)
+            assert not got.wait(0.5), "get() returned while another process held _rlock"
+            assert not q.empty()
+        finally:
+            q._rlock.release()
+        assert got.wait(TIMEOUT), "get() did not return once _rlock was released"
+        assert q.empty()
+    finally:
+        join_or_kill(p, 5)
+
+
+@pytest.mark.parametrize("kind", TIMED)
+def test_get_with_a_timeout_counts_the_wait_for_rlock(kind):
+    q = make(kind)
+    q.put("x")
+    assert eventually(lambda: not q.empty(), collect=False)
+    with q._rlock:
+        with pytest.raises(queue.Empty):
+            q.get_nowait()
+        t0 = time.monotonic()
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.2)
+        assert 0.15 < time.monotonic() - t0 < 5
+    assert q.get(timeout=TIMEOUT) == "x"
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    close_queue(q)
+
+
+# Fork rounds are cheap (~20 ms here), spawn and forkserver ones ~0.2 s: 30-40 s in all.
+POOL_ROUNDS = {"fork": 400, "spawn": 80, "forkserver": 80}
+
+
+def test_pool_terminated_with_tasks_pending_never_hangs(start_method):
+    rounds = POOL_ROUNDS[start_method]
+    rc, out, err = run_bounded([sys.executable, POOL_DRIVER, start_method, str(rounds), "20"],
+                               timeout=100, what=f"{rounds} Pool rounds ({start_method})")
+    assert rc == 0 and out.split() == ["ok", str(rounds)], f"rc {rc}, stderr:\n{err[-3000:]}"

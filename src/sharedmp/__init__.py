@@ -2,14 +2,16 @@
 
 ``import sharedmp as mp`` offers every name of ``multiprocessing`` with the same
 meaning, plus the sharing strategies, shared NumPy allocation and torch-style helpers.
-Importing it registers the reducers with ``ForkingPickler``; it never imports torch.
+Importing it registers the reducers with ``ForkingPickler``; it imports neither NumPy nor
+torch (their reducers are registered once they are imported: ``registry.py``), and the
+array functions (``empty``, ``share``, ...: ``arrays.py``) import NumPy on first use.
 """
+import importlib as _importlib
 import multiprocessing as _multiprocessing
 from multiprocessing import *  # noqa: F401,F403  -- the standard surface, unchanged
 from typing import TYPE_CHECKING, Any
 
 from . import registry as _registry
-from .arrays import empty, empty_like, full, is_shared, share, share_memory_, zeros, zeros_like
 # (mypy keeps multiprocessing's types for the names below, as torch.multiprocessing's users see
 # them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)
 from .channels.context import (  # type: ignore[assignment]
@@ -17,10 +19,6 @@ from .channels.context import (  # type: ignore[assignment]
 from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessExitedException, ProcessRaisedException
 from .memory.cache import empty as empty_cache
-# (not in __all__, as in torch)
-from .processes.spawn import ENV_VAR_PARALLEL_START as ENV_VAR_PARALLEL_START
-from .processes.spawn import ProcessContext, spawn, start_processes
-from .processes.spawn import SpawnContext as SpawnContext  # torch's old name (not in __all__)
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
 __version__ = "0.1.0"
@@ -47,6 +45,14 @@ def init_reductions() -> None:
 
 # torch.multiprocessing's helpers that its own tests use; forwarded (torch imported on use).
 _TORCH_HELPERS = ("_set_thread_name", "_get_thread_name")
+# Imported on first use, so that `import sharedmp` stays light: {name: its module}. arrays.py
+# imports NumPy; processes/spawn.py logging and concurrent.futures.
+_LAZY = dict.fromkeys(("empty", "empty_like", "full", "is_shared", "share", "share_memory_",
+                       "zeros", "zeros_like"), "arrays")
+_LAZY.update(dict.fromkeys(("spawn", "start_processes", "ProcessContext",
+                            "SpawnContext",               # torch's old name (not in __all__)
+                            "ENV_VAR_PARALLEL_START"),    # (not in __all__, as in torch)
+                           "processes.spawn"))
 
 
 if TYPE_CHECKING:
@@ -54,8 +60,22 @@ if TYPE_CHECKING:
     # sharedmp valid).
     from torch.multiprocessing import _get_thread_name as _get_thread_name
     from torch.multiprocessing import _set_thread_name as _set_thread_name
+
+    from .arrays import (empty, empty_like, full, is_shared, share, share_memory_, zeros,
+                         zeros_like)
+    from .processes.spawn import ENV_VAR_PARALLEL_START as ENV_VAR_PARALLEL_START
+    from .processes.spawn import ProcessContext, spawn, start_processes
+    from .processes.spawn import SpawnContext as SpawnContext
 else:
     def __getattr__(name: str) -> Any:
+        if name == "arrays":           # the module, as it was before it became lazy
+            return _importlib.import_module(f"{__name__}.arrays")
+        if name in _LAZY:
+            module = _importlib.import_module(f"{__name__}.{_LAZY[name]}")
+            for n, where in _LAZY.items():
+                if where == _LAZY[name]:
+                    globals()[n] = getattr(module, n)
+            return globals()[name]
         if name in _TORCH_HELPERS:
             try:
                 import torch.multiprocessing
@@ -64,3 +84,6 @@ else:
                                      "(pip install 'sharedmp[torch]')") from None
             return getattr(torch.multiprocessing, name)
         raise AttributeError(f"module 'sharedmp' has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY})

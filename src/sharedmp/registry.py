@@ -5,10 +5,11 @@ use and so do the standard ones (Process arguments under spawn and forkserver, M
 connections): arrays travel through shared memory on both. Frame kinds (``wire``) let a
 message of one array or tensor alone skip pickle.
 
-torch and CuPy are never imported by sharedmp, yet their arrays must go through sharedmp
-once they are there. torch registers its own reducers while it is imported
-(``torch.multiprocessing`` calls ``init_reductions()``), so sharedmp's must come after,
-whichever of the two is imported first:
+NumPy, torch and CuPy are never imported by ``import sharedmp``, yet their arrays must go
+through sharedmp once they are there, before any of them is sent or received. torch
+registers its own reducers while it is imported (``torch.multiprocessing`` calls
+``init_reductions()``), so sharedmp's must come after, whichever of the two is imported
+first:
 
 - already imported: install now;
 - otherwise a finder at the front of ``sys.meta_path`` waits for the import, finds the
@@ -19,6 +20,10 @@ whichever of the two is imported first:
 
 The torch reducers live in ``reductions/torch/``, whose package imports torch before any of
 its modules runs: a pickle that names one of them imports torch first, which installs them.
+The NumPy reducers live in ``reductions/ndarray.py``, which imports NumPy as it starts: a
+pickle (or a frame, ``wire.lazy_frame_kind``) that needs it imports it, and NumPy with it,
+in a process that had neither; the installation then waits for that module to be whole (a
+second finder, on the module itself: see ``_when_numpy_is_imported``).
 """
 from __future__ import annotations
 
@@ -28,27 +33,24 @@ import warnings
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-import numpy as np
-
 from . import wire
 from .channels.connection import Connection, reduce_connection
 from .memory.segment import Segment
-from .reductions.ndarray import decode_array, encode_array, reduce_ndarray
 from .reductions.segment import reduce_segment
 
 # (class, reducer), installed when sharedmp is imported.
 REDUCERS: list[tuple[type, Callable[[Any], Any]]] = [
     (Segment, reduce_segment),
-    (np.ndarray, reduce_ndarray),
     (Connection, reduce_connection),
 ]
-# Frame kinds: (kind, decode, {type: its reducer}, encode).
-FRAMES = [(wire.FLAG_ARRAY, decode_array, {np.ndarray: reduce_ndarray}, encode_array)]
 # Frame kinds that a module registers once imported: (kind, module, what it needs).
+NDARRAY_REDUCERS = "sharedmp.reductions.ndarray"
 TORCH_REDUCERS = "sharedmp.reductions.torch.tensors"
-LAZY_FRAMES = [(wire.FLAG_TENSOR, TORCH_REDUCERS, "torch")]
+LAZY_FRAMES = [(wire.FLAG_ARRAY, NDARRAY_REDUCERS, "numpy"),
+               (wire.FLAG_TENSOR, TORCH_REDUCERS, "torch")]
 
 _done = False
+_numpy_done = False
 
 
 def install() -> None:
@@ -58,12 +60,49 @@ def install() -> None:
     _done = True
     for cls, reducer in REDUCERS:
         ForkingPickler.register(cls, reducer)
-    for kind, decode, reducers, encode in FRAMES:
-        wire.frame_kind(kind, decode, reducers, encode)
     for kind, module, needs in LAZY_FRAMES:
         wire.lazy_frame_kind(kind, module, needs)
+    _when_numpy_is_imported()
     _when_torch_is_imported(_install_torch)
     _when_imported("cupy", _install_cupy)
+
+
+def _install_numpy() -> None:
+    """The ndarray reducer and frame kind (runs once; NumPy is imported by now)."""
+    global _numpy_done
+    if _numpy_done:
+        return
+    _numpy_done = True
+    # Never break `import numpy`: say why arrays are pickled by value instead.
+    try:
+        import numpy as np
+
+        ndarray = importlib.import_module(NDARRAY_REDUCERS)
+        ForkingPickler.register(np.ndarray, ndarray.reduce_ndarray)
+        wire.reducers_changed()
+        wire.frame_kind(wire.FLAG_ARRAY, ndarray.decode_array,
+                        {np.ndarray: ndarray.reduce_ndarray}, ndarray.encode_array)
+    except Exception as e:
+        warnings.warn(f"sharedmp: NumPy support is off, its reducers failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _numpy_imported() -> None:
+    # NumPy imported by reductions/ndarray.py itself, as it starts (a pickle or a frame that
+    # needs it, NumPy not yet in): installed once that module is whole, by its own finder.
+    module = sys.modules.get(NDARRAY_REDUCERS)
+    if module is None or not _initializing(module):
+        _install_numpy()
+
+
+def _when_numpy_is_imported() -> None:
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and not _initializing(numpy):
+        _install_numpy()
+        return
+    _when_imported("numpy", _numpy_imported)
+    if NDARRAY_REDUCERS not in sys.modules:
+        sys.meta_path.insert(0, _AfterImport(NDARRAY_REDUCERS, _install_numpy))
 
 
 def _install_torch() -> None:

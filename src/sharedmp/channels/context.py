@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context as _std
-import multiprocessing.pool
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 from .. import cuda as _cuda
@@ -20,6 +19,8 @@ from ..memory import manager
 from ..processes.pdeath import DieWithParent
 
 if TYPE_CHECKING:
+    import multiprocessing.pool
+
     from ..processes.pdeath import ProcessBase as _ProcessBase
     from . import queues
     from .connection import Connection
@@ -128,8 +129,8 @@ class _Channels(_ContextBase):
              initargs: Iterable[Any] = (),
              maxtasksperchild: int | None = None) -> multiprocessing.pool.Pool:
         """multiprocessing.pool.Pool whose task and result queues are sharedmp's."""
-        return multiprocessing.pool.Pool(processes, initializer, initargs, maxtasksperchild,
-                                         context=self)
+        from multiprocessing.pool import Pool      # (here: `import sharedmp` stays light)
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self)
 
     def get_context(self, method: str | None = None) -> _Channels:  # type: ignore[override]
         return self if method is None else get_context(method)

@@ -3,8 +3,12 @@
 Adapted from CPython's multiprocessing/queues.py; changed:
 - the pipe is an AF_UNIX socketpair, so each message carries the fds of its arrays;
 - a message is one record of that socket, written and read whole by one system call, so
-  neither producers nor consumers take a lock: a process killed in the middle of put() or
-  get() leaves the queue working for the others (multiprocessing's would keep its lock);
+  producers take no lock: a process killed in the middle of put() leaves the queue working
+  for the others (multiprocessing's would keep its lock);
+- get() takes ``_rlock`` as multiprocessing's does (``Pool._help_stuff_finish`` holds it to
+  drain the task queue and counts on no worker reading between its poll() and its recv()),
+  but only around a non-blocking read: a consumer waits for a record without the lock, so
+  one killed while it waits leaves the queue working for the others (see ``_get_frame``);
 - ``put()`` pickles in the calling thread: an unpicklable object raises there and the
   queue stays usable, and the value sent is the value at the time of ``put()``;
 - in every process but the one that created the queue, ``put()`` returns only once the
@@ -113,14 +117,41 @@ class _Held:
         self._held.clear()
 
 
+def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
+               timeout: float | None = None) -> tuple[bytes | bytearray, list[int], int]:
+    """One frame from ``reader``, read while holding ``rlock``; Empty if none came in time.
+
+    As multiprocessing's queues, whose users rely on it: whoever holds ``rlock`` knows that
+    no other consumer takes a record meanwhile. Unlike them, the lock is held only for one
+    non-blocking read, never while waiting (poll() waits, outside it): a consumer killed
+    while it waits does not keep the lock. Another consumer may take the record between the
+    poll() and the read: the read then finds nothing and the wait goes on.
+    """
+    sock = reader._check(read=True)
+    deadline = None if timeout is None or not block else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not rlock.acquire(block, left):
+            raise Empty
+        try:
+            return fdpass.recv_frame(sock, block=False)
+        except BlockingIOError:          # nothing there, or another consumer took it first
+            pass
+        finally:
+            rlock.release()
+        if not block:
+            raise Empty
+        left = None if deadline is None else deadline - time.monotonic()
+        if (left is not None and left <= 0.0) or not reader.poll(left):
+            raise Empty
+
+
 class SimpleQueue:
     """A queue with put/get/empty/close and no buffering thread: put() is synchronous."""
 
     def __init__(self, *, ctx: BaseContext) -> None:
         self._reader, self._writer = Pipe(duplex=False)
-        # Not used here (a record is read whole), but multiprocessing.pool takes it while
-        # it drains the queue at shutdown.
-        self._rlock = ctx.Lock()
+        self._rlock = ctx.Lock()         # taken by get() (see _get_frame) and by Pool
 
     def __getstate__(self) -> tuple[Connection, Connection, Lock]:
         _mpcontext.assert_spawning(self)
@@ -137,7 +168,7 @@ class SimpleQueue:
         return not self._reader.poll()
 
     def get(self) -> Any:
-        return loads(*fdpass.recv_frame(self._reader._check(read=True)))
+        return loads(*_get_frame(self._reader, self._rlock))     # (unpickled without the lock)
 
     def put(self, obj: Any) -> None:
         payload, fds, flags = dumps(obj, self._writer._tokens)
@@ -153,6 +184,7 @@ class Queue:
             maxsize = SEM_VALUE_MAX
         self._maxsize = maxsize
         self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()         # taken by get() (see _get_frame)
         self._sem = ctx.BoundedSemaphore(maxsize)
         self._creator = os.getpid()
         self._ignore_epipe = False
@@ -162,11 +194,11 @@ class Queue:
     def __getstate__(self) -> tuple[Any, ...]:
         _mpcontext.assert_spawning(self)
         return (self._ignore_epipe, self._maxsize, self._reader, self._writer,
-                self._sem, self._creator)
+                self._rlock, self._sem, self._creator)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         (self._ignore_epipe, self._maxsize, self._reader, self._writer,
-         self._sem, self._creator) = state
+         self._rlock, self._sem, self._creator) = state
         self._reset()
 
     def _after_fork(self) -> None:
@@ -231,21 +263,9 @@ class Queue:
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
-        sock = self._reader._check(read=True)
-        if block and timeout is None:
-            frame = fdpass.recv_frame(sock)
-        else:
-            deadline = time.monotonic() + (timeout or 0.0)
-            while True:
-                try:
-                    frame = fdpass.recv_frame(sock, block=False)
-                    break
-                except BlockingIOError:   # nothing there, or another consumer took it first
-                    wait = deadline - time.monotonic() if block else 0.0
-                    if wait <= 0.0 or not self._reader.poll(wait):
-                        raise Empty from None
+        frame = _get_frame(self._reader, self._rlock, block, timeout)
         self._sem.release()
-        return loads(*frame)
+        return loads(*frame)                                      # (unpickled without the lock)
 
     def get_nowait(self) -> Any:
         return self.get(False)

@@ -6,7 +6,6 @@ alive until each receiver has let go), ``ipc`` (what an array becomes on the wir
 sender's exports and the receiver's mappings). This module stays light (the stdlib
 only): the fork contexts ask it before every fork.
 """
-import ctypes
 import os
 import sys
 
@@ -29,6 +28,7 @@ def _driver_initialised():
         with open("/proc/self/maps") as f:
             if "libcuda.so" not in f.read():
                 return False
+        import ctypes          # (only where libcuda is loaded)
         lib = ctypes.CDLL("libcuda.so.1", mode=getattr(os, "RTLD_NOLOAD", 4))
     except OSError:
         return False

@@ -23,7 +23,6 @@ JSON, rewritten when it changes) that ``python -m sharedmp doctor`` reads throug
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -135,6 +134,7 @@ def stats() -> dict[str, Any]:
 def _publish() -> None:
     global _stats_fd, _stats_last
     try:
+        import json                   # (deferred: only processes that map segments publish)
         data = json.dumps(stats(), separators=(",", ":")).encode()
         if data == _stats_last or len(data) >= STATS_SIZE:
             return
@@ -163,6 +163,7 @@ def read_stats(pid: int) -> Any:
         except OSError:
             continue
         try:
+            import json
             return json.loads(os.pread(fd, STATS_SIZE, 0).strip() or b"null")
         except (OSError, ValueError):
             return None

@@ -35,15 +35,12 @@ import fcntl
 import mmap
 import os
 import re
-import secrets
 import stat
 import sys
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Union
-
-import numpy as np
 
 from .. import forks
 from ..errors import OutOfSharedMemory, SegmentError
@@ -64,6 +61,7 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 if TYPE_CHECKING:
     from typing import TypeAlias
 
+    import numpy as np
     from numpy.typing import NDArray
 
     # What arrays view: the mmap of a segment, or the uint8 lease over one this process made.
@@ -433,6 +431,7 @@ def _adopt_memfd(size, mm, private, reused, zero):
         os.close(private)
         raise
     st = os.fstat(private)
+    import numpy as np             # (here: `import sharedmp` does not import NumPy)
     lease = np.frombuffer(mm, np.uint8)
     seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, shared, None, lease, owner=True,
                   recycle=(mm, private) if recyclable else None)
@@ -452,6 +451,7 @@ def _create_named(size):
             f"the shared-memory directory {directory!r} does not exist; "
             f"point ${SHM_DIR_ENV} at a tmpfs directory or use the 'file_descriptor' strategy")
     while True:
+        import secrets              # (here: it costs 3 ms to import, file_system only)
         name = PREFIX + secrets.token_hex(10)
         path = os.path.join(directory, name)
         # The daemon hears of the name before the file exists: if this process is killed

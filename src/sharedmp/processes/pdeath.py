@@ -36,7 +36,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from .. import forks
-from ..memory import leftovers
 
 if TYPE_CHECKING:
     import multiprocessing.process
@@ -78,6 +77,8 @@ class DieWithParent(ProcessBase):
                       or multiprocessing.get_start_method())
             via_forkserver = method == "forkserver"
             self._sharedmp_parent = (os.getpid(), via_forkserver)
+            if method == "fork":
+                _prctl()                   # a fork child inherits it: imports nothing itself
             # (a forkserver child's OS parent is the fork server's thread, not ours)
             if not via_forkserver and not _on_lasting_thread():
                 return _start_on_lasting_thread(super().start)
@@ -90,10 +91,22 @@ class DieWithParent(ProcessBase):
         return super()._bootstrap(*args, **kwargs)
 
 
+_libc = None
+
+
+def _prctl():
+    """(ctypes, libc with errno): made once per process, and inherited by fork children
+    (importing ctypes and opening libc took most of a fork child's start)."""
+    global _libc
+    if _libc is None:
+        import ctypes  # deferred: only processes that start children or are children pay
+        _libc = ctypes, ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
 def arm(parent_pid, via_forkserver):
     """(in the child) Die with the parent; die now if the parent is already gone."""
-    import ctypes  # deferred: only children pay for it
-    libc = ctypes.CDLL(None, use_errno=True)
+    ctypes, libc = _prctl()
     if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(SIGNAL), ctypes.c_ulong(0),
                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
         import warnings
@@ -104,6 +117,7 @@ def arm(parent_pid, via_forkserver):
     ppid = os.getppid()
     if via_forkserver:
         _close_forkserver_alive_fd()
+        from ..memory import leftovers     # (deferred: dataclasses costs 5 ms)
         st = leftovers.proc_stat(ppid)
         alive = st is None or st.ppid == parent_pid       # None: cannot tell; the signal will
     else:
