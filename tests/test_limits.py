@@ -40,11 +40,18 @@ def run(body, *args):
     ended (its manager daemon unlinks what is left; on a busy machine that takes a while).
     """
     code = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out), flush=True)\n"
+    proc = run_program(["-c", code, *args])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_program(argv):
+    """``python argv`` with a private shm directory and a daemon of its own (under its own
+    limits); the finished process. It must succeed and leave no segment behind."""
     shm = tempfile.mkdtemp(prefix="sharedmp-limits-", dir="/dev/shm")
     env = dict(os.environ, SHAREDMP_SHM_DIR=shm)
-    env.pop("SHAREDMP_MANAGER", None)             # a daemon of its own, under its own limits
+    env.pop("SHAREDMP_MANAGER", None)
     try:
-        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
                               timeout=TIMEOUT, env=env)
         assert proc.returncode == 0, f"crashed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
         deadline = time.monotonic() + 30
@@ -53,7 +60,7 @@ def run(body, *args):
         assert not os.listdir(shm), f"segments left behind: {os.listdir(shm)}"
     finally:
         shutil.rmtree(shm, ignore_errors=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc
 
 
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
@@ -201,22 +208,10 @@ def test_kept_tensors_under_an_fd_limit_of_256(strategy, n, tmp_path):
     # file_system exists for this: many kept tensors under a low fd limit. Its daemon holds
     # a few pipes per channel end, not one per message in flight (it died of EMFILE once).
     pytest.importorskip("torch")
-    shm = tempfile.mkdtemp(prefix="sharedmp-limits-", dir="/dev/shm")
-    env = dict(os.environ, SHAREDMP_SHM_DIR=shm)
-    env.pop("SHAREDMP_MANAGER", None)
     script = tmp_path / "keep.py"
     script.write_text(KEEP)
-    try:
-        proc = subprocess.run([sys.executable, str(script), strategy, str(n)], env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert proc.stdout.split("\n")[-2] == f"({n * (n - 1) // 2}, True)", proc.stdout
-        deadline = time.monotonic() + 30
-        while os.listdir(shm) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not os.listdir(shm), f"segments left behind: {os.listdir(shm)}"
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    proc = run_program([str(script), strategy, str(n)])
+    assert proc.stdout.split("\n")[-2] == f"({n * (n - 1) // 2}, True)", proc.stdout
 
 
 def test_a_daemon_out_of_fds_refuses_new_clients_clearly_and_serves_the_others():

@@ -68,8 +68,8 @@ if TYPE_CHECKING:
     from .processes.spawn import SpawnContext as SpawnContext
 else:
     def __getattr__(name: str) -> Any:
-        if name == "arrays":           # the module, as it was before it became lazy
-            return _importlib.import_module(f"{__name__}.arrays")
+        if name in _LAZY.values():     # a module of lazy names is lazy too (``mp.arrays``)
+            return _importlib.import_module(f"{__name__}.{name}")
         if name in _LAZY:
             module = _importlib.import_module(f"{__name__}.{_LAZY[name]}")
             for n, where in _LAZY.items():

@@ -155,13 +155,11 @@ def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), f
         if not window.room(flight):
             return False
         pair = window.open(flight)
+        if pair is not None:
+            fds, flags = [*fds, pair[1]], flags | FLIGHT_TOKEN
     try:
-        if pair is None:
-            _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, nfds, len(payload)), payload],
-                     fds, block=False)
-        else:
-            _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags | FLIGHT_TOKEN, nfds, len(payload)),
-                            payload], [*fds, pair[1]], block=False)
+        _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, nfds, len(payload)), payload], fds,
+                 block=False)
     except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
         if window is not None:        # queued whole or not at all, so nothing went out
             window.cancel(None if pair is None else pair[0], flight)

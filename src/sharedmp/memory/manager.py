@@ -33,9 +33,9 @@ import array
 import collections
 import itertools
 import os
+import select
 import socket
 import sys
-import select
 import threading
 import time
 import weakref
@@ -286,12 +286,13 @@ class _Token:
         self.fd, self.id, self.generation = fd, ident, _generation
         self.opened = self.used = now
         self.paths = set()              # the names the daemon knows it holds in flight
-        weakref.finalize(self, _close_unless_forked, fd, os.getpid())
+        weakref.finalize(self, _close_unless_forked, [fd], os.getpid())
 
 
-def _close_unless_forked(fd, pid):
-    if os.getpid() == pid:              # (a forked child closed its copy at the fork)
-        os.close(fd)
+def _close_unless_forked(fds, pid):
+    if os.getpid() == pid:              # (a forked child closed its copies at the fork)
+        for fd in fds:
+            os.close(fd)
 
 
 _token_ids = itertools.count(1)
@@ -314,7 +315,7 @@ class Tokens:
         self._current: "_Token | None" = None
         self._open: list[int] = []       # read ends of this end's tokens not yet ended
         self._lock = threading.Lock()
-        weakref.finalize(self, _close_reads, self._open, os.getpid())
+        weakref.finalize(self, _close_unless_forked, self._open, os.getpid())
         _all_tokens.add(self)
 
     def carry(self, paths: list[str]) -> "tuple[int, object]":
@@ -339,13 +340,17 @@ class Tokens:
         """(lock held) Whether another token may open: fewer than MAX_OPEN still open."""
         if len(self._open) < MAX_OPEN:
             return True
+        self._reap()
+        return len(self._open) < MAX_OPEN
+
+    def _reap(self):
+        """(lock held) Close the read ends of the tokens that have ended."""
         poller = select.poll()
         for r in self._open:
             poller.register(r, select.POLLIN)
         for r, _ in poller.poll(0):                  # ended: every copy of its write end closed
             self._open.remove(r)
             os.close(r)
-        return len(self._open) < MAX_OPEN
 
     def _new(self, now):
         """(lock held) A new token, its read end passed to the daemon (with no reference)."""
@@ -366,13 +371,16 @@ class Tokens:
         return token
 
     def expire(self, cutoff):
-        """Let go of the current token if unused since ``cutoff`` (None: now); whether one
-        is kept. While MAX_OPEN are open it is kept: the next message would open another."""
+        """Let go of the current token if unused since ``cutoff`` (None: now), and of the
+        read ends of tokens that have ended; whether something is kept. While MAX_OPEN are
+        open the current one is kept: the next message would open another."""
         with self._lock:
+            self._reap()
             token = self._current
-            if token is not None and (cutoff is None or token.used < cutoff and self._room()):
+            if token is not None and (cutoff is None or token.used < cutoff
+                                      and len(self._open) < MAX_OPEN):
                 self._current = None
-            return self._current is not None
+            return self._current is not None or bool(self._open)
 
     def _after_fork(self):
         """(in a forked child) The parent's token is the parent's: close the copies."""
@@ -383,12 +391,6 @@ class Tokens:
         for r in self._open:
             os.close(r)
         self._open.clear()
-
-
-def _close_reads(fds, pid):
-    if os.getpid() == pid:
-        for r in fds:
-            os.close(r)
 
 
 _all_tokens: "weakref.WeakSet[Tokens]" = weakref.WeakSet()

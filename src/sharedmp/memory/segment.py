@@ -450,8 +450,8 @@ def _create_named(size):
         raise OutOfSharedMemory(
             f"the shared-memory directory {directory!r} does not exist; "
             f"point ${SHM_DIR_ENV} at a tmpfs directory or use the 'file_descriptor' strategy")
+    import secrets                  # (here: it costs 3 ms to import, file_system only)
     while True:
-        import secrets              # (here: it costs 3 ms to import, file_system only)
         name = PREFIX + secrets.token_hex(10)
         path = os.path.join(directory, name)
         # The daemon hears of the name before the file exists: if this process is killed
