@@ -287,28 +287,103 @@ def check_sender_exits(r):
     return out["kill=False"] == "received, sum 1024.0"
 
 
-def check_fork_guard(r):
-    code = ("import torch, sharedmp as mp\n"
-            "torch.zeros(1, device='cuda')\n"
-            "try:\n"
-            "    mp.get_context('fork').Process(target=print).start()\n"
-            "except RuntimeError as e:\n"
-            "    print('raised:', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=T,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    r["torch"] = out.stdout.strip()[:160]
-    ok = "raised:" in out.stdout and "spawn" in out.stdout
+_FORK_CODE = """
+import sys, torch, sharedmp as mp
+LIB = sys.argv[1]
+if LIB == "cupy":
+    import cupy
+    cupy.zeros(1)                                  # CUDA initialised by CuPy
+else:
+    torch.zeros(1, device="cuda")                  # CUDA initialised by torch
+
+def cpu_child(q):
+    q.put(float(torch.ones(3).sum()))              # CPU only: runs in a forked child
+
+def cuda_receiver(q, out):
     try:
-        import cupy  # noqa: F401
-        code = code.replace("import torch,", "import cupy,").replace(
-            "torch.zeros(1, device='cuda')", "cupy.zeros(1)")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=T,
+        q.get(timeout=60)
+        out.put("received (should have raised)")
+    except RuntimeError as e:
+        out.put("raised: " + str(e))
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=cpu_child, args=(q,))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(60)
+    print("cpu child:", got, "exit", p.exitcode)
+    p = ctx.Process(target=cuda_receiver, args=(q, out))
+    p.start()
+    q.put(cupy.ones(4) if LIB == "cupy" else torch.ones(4, device="cuda"))
+    got = out.get(timeout=60)
+    p.join(60)
+    print("cuda receive in the fork child:", got[:200], "exit",
+          p.exitcode)
+"""
+
+
+def check_fork(r):
+    """A CUDA parent forks: a CPU-only child runs; a CUDA receive in the child raises naming
+    spawn (torch and CuPy)."""
+    ok = True
+    for lib in ("torch", "cupy"):
+        if lib == "cupy":
+            try:
+                import cupy  # noqa: F401
+            except ImportError:
+                r["cupy"] = "not installed"
+                continue
+        out = subprocess.run([sys.executable, "-c", _FORK_CODE, lib], capture_output=True,
+                             text=True, timeout=T * 3,
                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        r["cupy"] = out.stdout.strip()[:160]
-        ok = ok and "raised:" in out.stdout
-    except ImportError:
-        r["cupy"] = "not installed"
+        r[lib] = (out.stdout.strip() or out.stderr.strip()[-300:])[:400]
+        ok = ok and ("cpu child: 3.0 exit 0" in out.stdout
+                     and "raised:" in out.stdout and "'spawn'" in out.stdout)
     return ok
+
+
+def _deadlock_actor(queue, iterations):
+    import sharedmp  # noqa: F401
+    for _ in range(iterations):
+        if not queue.empty():
+            queue.get()
+        time.sleep(0.01)
+
+
+def _deadlock_learner(queue, iterations):
+    import copy
+
+    import torch
+    import sharedmp  # noqa: F401
+    net = torch.nn.LSTM(1, 1).cuda()
+    for _ in range(iterations):
+        if not queue.full():
+            queue.put(copy.deepcopy(net.state_dict()))
+        time.sleep(0.01)
+
+
+def check_cuda_ipc_deadlock(r):
+    """torch's test_cuda_ipc_deadlock: the learner exits with a message nobody takes."""
+    import sharedmp as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue(1)
+    procs = {"actor": ctx.Process(target=_deadlock_actor, args=(queue, 100)),
+             "learner": ctx.Process(target=_deadlock_learner, args=(queue, 100))}
+    t0 = time.monotonic()
+    for p in procs.values():
+        p.start()
+    try:
+        for name, p in procs.items():
+            p.join(10)
+            r[name] = "alive after join(10)" if p.is_alive() else \
+                f"exit {p.exitcode} at {time.monotonic() - t0:.1f} s"
+        return not any(p.is_alive() for p in procs.values())
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
 
 
 def check_bench(r, quick):
@@ -328,7 +403,8 @@ def main():
               ("cupy_roundtrip", check_cupy_roundtrip), ("one_block_mixed", check_one_block_mixed),
               ("chain_of_three", lambda r: check_chain_many(r, 1000 if args.quick else 10000)),
               ("event_order", check_event_order), ("sender_exits", check_sender_exits),
-              ("fork_guard", check_fork_guard), ("bench", lambda r: check_bench(r, args.quick))]
+              ("cuda_ipc_deadlock", check_cuda_ipc_deadlock), ("fork", check_fork),
+              ("bench", lambda r: check_bench(r, args.quick))]
     failed = False
     for name, fn in checks:
         r, t0 = {}, time.monotonic()

@@ -266,3 +266,69 @@ if __name__ == "__main__":
     sys.stdout.write(server.address.hex() + " " + token.hex() + "\n")
     sys.stdout.flush()
     sys.stdin.readline()                              # the test has claimed it
+
+
+def forked_from_cuda(conn, wire_bytes):
+    """(a fork child of a parent where CUDA counts as initialised) CPU work runs; a CUDA send
+    and a CUDA receive raise before any driver call; a grandchild is marked too."""
+    def run():
+        import sharedmp.cuda as c
+        driver = install()
+        info = {"forked_from": c._forked_from, "cpu": sum(range(10))}
+        for what, call in (("send", lambda: ForkingPickler.dumps(DevArray(3 * MiB, 128))),
+                           ("receive", lambda: rebuild_dev(wire_bytes))):
+            try:
+                call()
+                info[what] = "no error"
+            except RuntimeError as e:
+                info[what] = str(e)
+        info["driver_calls"] = driver.exports + driver.events + driver.opens + driver.records
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, repr(c._forked_from).encode())
+            os._exit(0)
+        os.close(w)
+        info["grandchild"] = os.read(r, 100).decode()
+        os.close(r)
+        os.waitpid(pid, 0)
+        return info
+    _guard(conn, run)
+
+
+# torch's test_cuda_ipc_deadlock, with the stand-in driver: the learner puts a message of
+# four arrays whenever the Queue(1) has room, the actor takes what it finds; the last
+# message is never taken (on a GPU the learner starts CUDA while the actor is already done).
+def deadlock_actor(q, iterations):
+    install()
+    for _ in range(iterations):
+        if not q.empty():
+            q.get(timeout=TIMEOUT)
+        time.sleep(0.01)
+
+
+def deadlock_learner(q, iterations, start_delay):
+    install()
+    time.sleep(start_delay)           # torch's learner makes its LSTM on the GPU first
+    for i in range(iterations):
+        if not q.full():
+            q.put([DevArray(i * 4 * MiB + k * 4096, 1024) for k in range(4)])
+        time.sleep(0.01)
+
+
+def put_one_and_return(q):
+    """Send one array and return at once: the exit rule must let it be delivered."""
+    install()
+    q.put(DevArray(3 * MiB, 128))
+
+
+def take_late(conn, q, delay):
+    def run():
+        driver = install()
+        time.sleep(delay)
+        a = q.get(timeout=TIMEOUT)
+        info = {"nbytes": a.nbytes, "opens": driver.opens}
+        del a
+        info["unmapped"] = wait_until(lambda: not ipc.importer().mappings())
+        return info
+    _guard(conn, run)

@@ -234,6 +234,67 @@ def test_sender_exit_ends_its_wait_when_the_receiver_releases():
     assert "exiting with" not in err
 
 
+def test_the_exit_rule_stops_waiting_for_unclaimed_leases_sooner():
+    server = lease.LeaseServer()
+    try:
+        server.add(b"p" * 16, "pending")
+        t0 = time.monotonic()
+        assert not server.wait_idle(TIMEOUT, unclaimed=0.2)   # only pending: 0.2 s
+        assert time.monotonic() - t0 < TIMEOUT / 2
+        c = lease.LeaseClient()
+        try:
+            c.claim(server.address, b"p" * 16)
+            assert until(lambda: server.claimed_by(), TIMEOUT)
+            t0 = time.monotonic()
+            assert not server.wait_idle(0.5, unclaimed=0.0)   # claimed: the full timeout
+            assert time.monotonic() - t0 >= 0.45
+        finally:
+            c.close()
+    finally:
+        server.close()
+
+
+def test_cuda_ipc_deadlock_learner_exits_with_a_message_nobody_takes(monkeypatch):
+    # torch's test_cuda_ipc_deadlock: both processes gone within join(10). Here even with
+    # a 60 s exit timeout: what nobody claimed holds the learner only the unclaimed wait.
+    monkeypatch.setenv("SHAREDMP_CUDA_EXIT_TIMEOUT", "60")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue(1)
+    procs = [ctx.Process(target=cw.deadlock_actor, args=(q, 100)),
+             ctx.Process(target=cw.deadlock_learner, args=(q, 100, 1.5))]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(10)
+        assert [p.is_alive() for p in procs] == [False, False]
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def test_a_sender_that_returns_at_once_still_delivers_to_a_late_receiver():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    parent, child = ctx.Pipe()
+    receiver = ctx.Process(target=cw.take_late, args=(child, q, 1.0))
+    sender = ctx.Process(target=cw.put_one_and_return, args=(q,))
+    receiver.start()
+    sender.start()
+    try:
+        ok, info = parent.recv() if parent.poll(TIMEOUT) else (False, "no report")
+        assert ok, info
+        assert info == {"nbytes": 128, "opens": 1, "unmapped": True}
+        assert join_or_kill(sender) == 0 and join_or_kill(receiver) == 0
+    finally:
+        for p in (sender, receiver):
+            if p.is_alive():
+                p.kill()
+
+
 # -- the whole path with the stand-in driver, real processes and queues -------------------
 
 def _start(ctx, target, *args):
@@ -369,37 +430,84 @@ def test_an_array_from_a_sender_that_died_raises_on_receipt():
         lease._server = lease._client = None
 
 
-# -- the fork guard --------------------------------------------------------------------------
+# -- fork: allowed, as torch allows it; CUDA refused in the forked child -------------------
 
-def test_fork_guard_is_quiet_without_cuda():
+def test_no_cuda_here_and_a_fork_child_is_not_marked():
     import sharedmp.cuda as c
     assert c.cuda_initialized() is None          # torch CPU, no libcuda mapped here
-    c.check_fork()
+    assert _mark_in_a_fork_child() == "None"
+
+
+def _mark_in_a_fork_child():
+    """``sharedmp.cuda._forked_from`` as a child forked now sees it (repr)."""
+    import sharedmp.cuda as c
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, repr(c._forked_from).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        return os.read(r, 100).decode()
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+
+
+def _simulate_cuda_parent(monkeypatch, who):
+    """As in a process where ``who`` initialised CUDA (no GPU here: the probe says so)."""
+    import sharedmp.cuda as c
+    monkeypatch.setattr(c, "cuda_initialized", lambda: who)
+    monkeypatch.setattr(c, "_CUDA_MODULES", ("os",))     # as if a CUDA library were imported
 
 
 @pytest.mark.parametrize("who", ["torch", "cupy", "the CUDA driver"])
-def test_fork_after_cuda_init_raises_before_forking(monkeypatch, who):
-    import multiprocessing
-
-    import sharedmp.cuda as c
-    monkeypatch.setattr(c, "cuda_initialized", lambda: who)
+def test_fork_of_a_cuda_parent_runs_and_refuses_cuda_in_the_child(monkeypatch, who):
+    _simulate_cuda_parent(monkeypatch, who)
     ctx = mp.get_context("fork")
-    p = ctx.Process(target=os.getpid)
-    with pytest.raises(RuntimeError, match=r"initialised \(by " + who + r"\).*'spawn' or 'forkserver'"):
-        p.start()
-    assert p._popen is None and multiprocessing.active_children() == []
-    with pytest.raises(RuntimeError, match="spawn"):
-        ctx.Pool(1)
-    assert multiprocessing.active_children() == []
+    wire = descriptor(owner=b"x" * 16).encode()
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=cw.forked_from_cuda, args=(child, wire))
+    p.start()                                    # no error, no warning
+    try:
+        ok, info = parent.recv() if parent.poll(TIMEOUT) else (False, "no report")
+    finally:
+        assert join_or_kill(p) == 0
+    assert ok, info
+    assert info["forked_from"] == who and info["cpu"] == 45
+    for what in ("send", "receive"):
+        assert f"forked from one in which CUDA was initialised (by {who})" in info[what]
+        assert "'spawn' or 'forkserver'" in info[what]
+    assert info["driver_calls"] == 0             # refused before any CUDA call
+    assert info["grandchild"] == repr(who)       # a fork of the fork cannot use CUDA either
+    with ctx.Pool(2) as pool:                    # CPU workers forked from the CUDA parent
+        assert pool.map(abs, range(-3, 0)) == [3, 2, 1]
+    import sharedmp.cuda as c
+    assert c._forked_from is None                # the parent itself is not marked
 
 
-def test_fork_guard_sees_sharedmps_own_cuinit(monkeypatch):
+def test_the_fork_mark_sees_sharedmps_own_cuinit(monkeypatch):
     import sharedmp.cuda as c
     from sharedmp.cuda import driver
     monkeypatch.setattr(driver, "_initialised", True)   # as after Driver() ran cuInit
     assert c.cuda_initialized() == "the CUDA driver"
-    with pytest.raises(RuntimeError, match="spawn"):
-        mp.get_context("fork").Process(target=os.getpid).start()
+    assert _mark_in_a_fork_child() == "'the CUDA driver'"
+
+
+# -- torch's reductions module, for code written against torch.multiprocessing ------------
+
+def test_mp_reductions_forwards_torchs_functions_which_work():
+    torch = pytest.importorskip("torch")
+    import torch.multiprocessing.reductions as torch_reductions
+    # torch's test_rebuild_cuda_tensor calls this on storage._share_cuda_()'s private tuple.
+    assert mp.reductions.rebuild_cuda_tensor is torch_reductions.rebuild_cuda_tensor
+    assert mp.reductions.StorageWeakRef is torch_reductions.StorageWeakRef
+    rebuild, args = mp.reductions.reduce_tensor(torch.arange(4.0))
+    assert torch.equal(rebuild(*args), torch.arange(4.0))
+    with pytest.raises(AttributeError, match="no attribute 'rebuild_nothing'"):
+        mp.reductions.rebuild_nothing
 
 
 # -- lightness, registration, clean skips ---------------------------------------------------

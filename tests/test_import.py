@@ -43,3 +43,32 @@ def test_arrays_travel_shared_in_a_program_that_imports_numpy_late(start_method,
     assert "numpy" not in got["waiting_after"]
     assert "sharedmp.reductions.ndarray" not in got["waiting_after"]
     assert got["exitcode"] == 0
+
+
+FORKSERVER_PROGRAM = """
+import sys
+if __name__ == "__main__":
+    import sharedmp as mp                 # (not at the top: the children would import it)
+    ctx = mp.get_context("forkserver")
+    for _ in range(3):
+        p = ctx.Process(target=abs, args=(-1,))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0, p.exitcode
+    with ctx.Pool(2) as pool:
+        assert pool.map(abs, range(-4, 0)) == [4, 3, 2, 1]
+"""
+
+
+def test_forkserver_children_find_sharedmp_imported_by_the_server(tmp_path):
+    # Each child of a fork server imports what the server has not: sharedmp's Processes
+    # add sharedmp to the server's preload list (CPython <3.14 never preloads __main__).
+    script = tmp_path / "fs_children.py"
+    script.write_text(FORKSERVER_PROGRAM)
+    rc, _, err = run_bounded([sys.executable, "-X", "importtime", str(script)])
+    assert rc == 0, err
+    imports = [line.rsplit("|", 1)[1].strip() for line in err.splitlines()
+               if line.startswith("import time:") and line.count("|") == 2]
+    # The main process and the fork server; none of the 5 children.
+    assert imports.count("sharedmp") == 2, imports.count("sharedmp")
+    assert imports.count("sharedmp.channels.queues") == 2

@@ -11,6 +11,7 @@ import multiprocessing as _multiprocessing
 from multiprocessing import *  # noqa: F401,F403  -- the standard surface, unchanged
 from typing import TYPE_CHECKING, Any
 
+from . import cuda as _cuda  # noqa: F401  -- its fork hook: a child knows CUDA was initialised
 from . import registry as _registry
 # (mypy keeps multiprocessing's types for the names below, as torch.multiprocessing's users see
 # them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)

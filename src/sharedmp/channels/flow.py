@@ -55,7 +55,11 @@ def window_bytes() -> int:
         if n <= 0:
             raise ValueError(f"${ENV} must be positive, not {n}")
         return n
-    return max(1 << 20, min(DEFAULT, segment.available_memory() // _FRACTION_OF_AVAILABLE))
+    # (read at most once a second: a Pool starts several connections at once)
+    avail = segment._available_memory_cached(1.0)
+    if avail is None:                 # (no /proc/meminfo)
+        return DEFAULT
+    return max(1 << 20, min(DEFAULT, avail // _FRACTION_OF_AVAILABLE))
 
 
 class Window:

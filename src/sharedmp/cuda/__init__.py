@@ -1,19 +1,36 @@
-"""CUDA arrays across processes: the probe that says whether CUDA is initialised here.
+"""CUDA arrays across processes: whether CUDA is initialised here, and in a forked child,
+whether it was in the parent at the fork.
 
 The mechanism itself lives in submodules, imported only when a CUDA tensor or a CuPy
 array is met: ``driver`` (every cuda-bindings call), ``lease`` (the sender keeps memory
 alive until each receiver has let go), ``ipc`` (what an array becomes on the wire, the
 sender's exports and the receiver's mappings). This module stays light (the stdlib
-only): the fork contexts ask it before every fork.
+only): its fork hook runs before every fork.
+
+Forking a process in which CUDA is initialised is allowed, as torch allows it: the model
+on the GPU, CPU workers forked for data or environments, is an everyday pattern. Such a
+child cannot use CUDA (the driver's state does not survive a fork), so sending or
+receiving a CUDA array there raises ``RuntimeError`` naming spawn and forkserver, before
+any CUDA call (``check_not_forked``), where CUDA itself would fail or hang.
 """
 import os
 import sys
 
 CUDA_ERROR_NOT_INITIALIZED = 3
 
-_FORK_ERROR = ("cannot fork a process in which CUDA is initialised ({}): a forked child "
-               "cannot use CUDA and would fail or hang at its first CUDA call. Use the "
-               "'spawn' or 'forkserver' start method: mp.get_context('spawn').")
+# Modules through which a process may have initialised CUDA: without any of them imported
+# (a plain CPU program) the fork hook costs a dictionary lookup per name.
+_CUDA_MODULES = ("torch", "cupy", "cuda", "numba", "pycuda", "jax", "tensorflow",
+                 "sharedmp.cuda.driver")
+
+_FORKED_ERROR = ("CUDA arrays cannot be sent or received in this process: it was forked from "
+                 "one in which CUDA was initialised ({}), and a forked child cannot use CUDA. "
+                 "Start the processes that use CUDA with the 'spawn' or 'forkserver' start "
+                 "method: mp.get_context('spawn').Process(...), or "
+                 "mp.set_start_method('spawn') first thing in the program.")
+
+_forked_from = None     # (in a forked child) who had initialised CUDA in the parent, else None
+_at_fork = None         # (the forking process) what the child will inherit as _forked_from
 
 
 def _driver_initialised():
@@ -51,8 +68,24 @@ def cuda_initialized() -> str | None:
     return None
 
 
-def check_fork() -> None:
-    """Raise RuntimeError, before forking, if CUDA is initialised in this process."""
-    who = cuda_initialized()
-    if who is not None:
-        raise RuntimeError(_FORK_ERROR.format(f"by {who}"))
+def check_not_forked() -> None:
+    """Raise RuntimeError if this process was forked from one that had initialised CUDA
+    (or from such a child): called before any CUDA call of a send or a receive."""
+    if _forked_from is not None:
+        raise RuntimeError(_FORKED_ERROR.format(f"by {_forked_from}"))
+
+
+def _before_fork() -> None:
+    global _at_fork
+    _at_fork = _forked_from
+    if _at_fork is None and any(m in sys.modules for m in _CUDA_MODULES):
+        _at_fork = cuda_initialized()
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from
+    _forked_from = _at_fork
+
+
+# (os.register_at_fork directly: sharedmp.forks has no "before" hook, and needs none else)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)

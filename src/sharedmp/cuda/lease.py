@@ -27,12 +27,23 @@ a malformed record              the connection is closed, as if that receiver ha
 a lease never claimed (the      stays pending until the sender exits: ``pending()``
 message was never received)     reports it, ``drop()`` frees it explicitly (freeing on
                                 a guess would corrupt a late receiver silently)
-sender exits with leases        at exit it warns and waits up to
-                                SHAREDMP_CUDA_EXIT_TIMEOUT seconds (default 5) for them
-                                to be released, then warns again and exits
+sender exits with leases        at exit it warns and waits (the exit rule below), then
+                                warns again if any is left and exits
 sender dies                     receivers' next CLAIM fails ("the sender exited"); a
                                 RELEASE to it is dropped with one warning
 =============================== ======================================================
+
+The exit rule. A claimed lease is memory a receiver has mapped and uses: the sender waits
+up to SHAREDMP_CUDA_EXIT_TIMEOUT seconds (default 5) for its release. A pending lease is a
+message nobody has taken yet. Its receiver may be about to (a sender that puts and returns,
+its receiver a second behind), or there may be none (an actor that has left, a ``Queue``
+the parent holds and never reads): the sender cannot tell the two apart, since whoever
+holds the channel could still read it. So it waits for pending leases only
+SHAREDMP_CUDA_EXIT_UNCLAIMED seconds (default 2, at most the exit timeout): enough for a
+live receiver to take what is at the head of its queue, short enough that an abandoned
+message does not hold the sender (torch's ``test_cuda_ipc_deadlock`` joins its learner
+within 10 s of its start). A pending lease claimed during the wait becomes claimed and is
+waited for as such.
 """
 import errno
 import os
@@ -50,6 +61,7 @@ from .. import forks
 RECORD = 17
 CLAIM, RELEASE = b"C", b"R"
 EXIT_TIMEOUT_ENV = "SHAREDMP_CUDA_EXIT_TIMEOUT"
+EXIT_UNCLAIMED_ENV = "SHAREDMP_CUDA_EXIT_UNCLAIMED"
 _UCRED = struct.Struct("3i")
 
 
@@ -58,11 +70,21 @@ def new_token():
     return secrets.token_bytes(16)
 
 
-def exit_timeout():
+def _seconds(env, default):
     try:
-        return max(0.0, float(os.environ.get(EXIT_TIMEOUT_ENV, "5")))
+        return max(0.0, float(os.environ.get(env, default)))
     except ValueError:
-        return 5.0
+        return default
+
+
+def exit_timeout():
+    """Seconds a sender waits at exit for receivers to release what they claimed."""
+    return _seconds(EXIT_TIMEOUT_ENV, 5.0)
+
+
+def exit_unclaimed():
+    """Seconds a sender waits at exit for messages not received yet (at most exit_timeout)."""
+    return min(_seconds(EXIT_UNCLAIMED_ENV, 2.0), exit_timeout())
 
 
 class _Lease:
@@ -129,15 +151,21 @@ class LeaseServer:
         self._released(lease)
         return True
 
-    def wait_idle(self, timeout):
-        """Wait until no lease is outstanding; whether that happened within ``timeout``."""
-        deadline = time.monotonic() + timeout
+    def wait_idle(self, timeout, unclaimed=None):
+        """Wait until no lease is outstanding; whether that happened within ``timeout``.
+        With ``unclaimed``, stop waiting after that many seconds if every lease left is
+        pending (no receiver has claimed it)."""
+        now = time.monotonic()
+        deadline = now + timeout
+        pending_deadline = deadline if unclaimed is None else now + min(unclaimed, timeout)
         with self._cond:
             while self._leases:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                claimed = any(lease.conn is not None for lease in self._leases.values())
+                end = deadline if claimed else pending_deadline
+                if now >= end:
                     return False
-                self._cond.wait(left)
+                self._cond.wait(end - now)     # (a CLAIM notifies too)
         return True
 
     def close(self):
@@ -222,6 +250,7 @@ class LeaseServer:
                 else:
                     lease.conn = key
                     self._claims[key].add(token)
+                    self._cond.notify_all()      # (an exit wait now waits for it as claimed)
                 return True
             if op != RELEASE:
                 return False
@@ -252,9 +281,11 @@ class LeaseServer:
 
     # -- exit --------------------------------------------------------------------------------
 
-    def wait_at_exit(self, timeout=None):
-        """Warn and wait (bounded) while receivers still hold memory this process sent."""
+    def wait_at_exit(self, timeout=None, unclaimed=None):
+        """Warn and wait (bounded: the exit rule above) while receivers still hold, or may
+        still take, memory this process sent."""
         timeout = exit_timeout() if timeout is None else timeout
+        unclaimed = exit_unclaimed() if unclaimed is None else min(unclaimed, timeout)
         n = self.outstanding()
         if n:
             holders = self.claimed_by()
@@ -262,10 +293,11 @@ class LeaseServer:
                 f"sharedmp: process {os.getpid()} is exiting while {n} CUDA array(s) it sent are "
                 "still in use by other processes (pids and counts: "
                 f"{holders or 'none claimed yet'}); waiting up to {timeout:g} s "
-                f"({EXIT_TIMEOUT_ENV}) for them to be released. Keep the sender alive until its "
-                "receivers drop what they got.",
+                f"({EXIT_TIMEOUT_ENV}) for them to be released, {unclaimed:g} s "
+                f"({EXIT_UNCLAIMED_ENV}) for those not received yet. Keep the sender alive "
+                "until its receivers drop what they got.",
                 RuntimeWarning, stacklevel=2)
-            if not self.wait_idle(timeout):
+            if not self.wait_idle(timeout, unclaimed):
                 warnings.warn(
                     f"sharedmp: exiting with {self.outstanding()} CUDA array(s) still held by "
                     "other processes: their memory is freed now and what they read from it is "

@@ -19,16 +19,20 @@ again while alive: the same storage (torch) or memory (CuPy); received back in t
 process that sent it: the original storage / memory; sent on: forwarded (``ipc``).
 Without the ``cuda`` extra, torch CUDA tensors fall back to torch's own reducers (one
 warning); CuPy arrays need it.
+
+Every reduce and rebuild starts with ``check_not_forked()``: in a child forked from a
+process that had initialised CUDA, it raises naming spawn, before any CUDA call.
 """
 import warnings
 
-from ..cuda import ipc
+from ..cuda import check_not_forked, ipc
 
 _fallback_warned = False
 
 
 def _export(ordinal, ptr, nbytes, stream, obj):
     """The wire descriptor of a region: forwarded if it was received here, else exported."""
+    check_not_forked()
     imp = ipc._importer
     holder = imp.received(ordinal, ptr, nbytes) if imp is not None else None
     if holder is not None:
@@ -38,6 +42,7 @@ def _export(ordinal, ptr, nbytes, stream, obj):
 
 def _home(d):
     """The original object if ``d`` came back to the process that exported it, else None."""
+    check_not_forked()                    # (every receive passes here first)
     if d.owner != ipc.nonce():
         return None
     exp = ipc.exporter()
@@ -105,6 +110,7 @@ def reduce_torch_tensor(t):
     import torch.multiprocessing.reductions as torch_reductions
 
     from .torch.codes import dtype_code, flags_of
+    check_not_forked()
     if _torch_fallback():
         return torch_reductions.reduce_tensor(t)
     cls = type(t)
@@ -116,6 +122,7 @@ def reduce_torch_tensor(t):
 
 def reduce_torch_storage(storage):
     import torch.multiprocessing.reductions as torch_reductions
+    check_not_forked()
     if _torch_fallback():
         return torch_reductions.reduce_storage(storage)
     return rebuild_torch_cuda_storage, (_storage_wire(storage),)
@@ -123,6 +130,7 @@ def reduce_torch_storage(storage):
 
 def rebuild_torch_cuda_storage(wire):
     import torch
+    check_not_forked()
     if type(wire) is tuple and len(wire) == 2 and wire[0] == "empty":
         return torch.UntypedStorage(0, device=torch.device("cuda", wire[1]))
     d = ipc.Descriptor.decode(wire)
@@ -161,6 +169,7 @@ def _cupy_stream(ordinal):
 
 
 def reduce_cupy_array(a):
+    check_not_forked()
     mem = a.data.mem
     ordinal = a.device.id
     offset = a.data.ptr - mem.ptr
@@ -172,6 +181,7 @@ def reduce_cupy_array(a):
 
 def rebuild_cupy_empty(shape, dtype, ordinal):
     import cupy
+    check_not_forked()
     with cupy.cuda.Device(ordinal):
         return cupy.empty(shape, dtype)
 
