@@ -7,6 +7,7 @@ homecoming logic, the lease servers and clients on real sockets, real processes 
 queues. ``DevArray`` stands in for a framework's array over device memory, with a
 reducer that goes through ``reductions.cuda._export`` / ``_home`` like torch and CuPy.
 """
+import collections
 import gc
 import os
 import signal
@@ -15,6 +16,7 @@ import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 
+import sharedmp as mp
 from sharedmp import wire
 from sharedmp.cuda import ipc, lease
 from sharedmp.reductions import cuda as rc
@@ -30,8 +32,18 @@ class FakeDriver:
     """The driver interface of ``sharedmp.cuda.driver.Driver``, with counters instead of a GPU."""
 
     HANDLE_SIZE = 64
+    # The methods that call the driver in the real Driver (the others read what it cached).
+    DRIVER_CALLS = frozenset({"buffer_id", "export", "new_event", "record", "sync_stream",
+                              "destroy_event", "open", "close", "open_event", "wait",
+                              "close_event", "mark", "finish"})
+
+    def __getattribute__(self, name):
+        if name in FakeDriver.DRIVER_CALLS:
+            object.__getattribute__(self, "calls")[name] += 1
+        return object.__getattribute__(self, name)
 
     def __init__(self):
+        self.calls = collections.Counter()   # driver calls by method
         self.exports = 0          # cuIpcGetMemHandle calls
         self.events = 0           # interprocess events created
         self.records = 0
@@ -91,8 +103,15 @@ class FakeDriver:
                 return
         raise RuntimeError("cuIpcCloseMemHandle of a pointer that is not open")
 
-    def wait_event(self, ordinal, handle, stream):
+    def open_event(self, ordinal, handle):
+        return ("event", handle)
+
+    def wait(self, ordinal, event, stream):
+        assert event[0] == "event"
         self.waits += 1
+
+    def close_event(self, ordinal, event):
+        pass
 
     def mark(self, ordinal, stream):
         return "mark"
@@ -194,6 +213,9 @@ def consume(conn, q, done, hold=False, twice_q=None):
             time.sleep(TIMEOUT)                       # killed by the test
         del a, b, c
         info["unmapped"] = wait_until(lambda: not imp.mappings())
+        info["closes_while_idle"] = driver.closes     # the two blocks stay open, idle
+        info["idle_bytes"] = ipc._held()[0]
+        mp.empty_cache()                              # lets them go
         info["closes"] = driver.closes
         return info
     _guard(conn, run)
@@ -330,5 +352,70 @@ def take_late(conn, q, delay):
         info = {"nbytes": a.nbytes, "opens": driver.opens}
         del a
         info["unmapped"] = wait_until(lambda: not ipc.importer().mappings())
+        return info
+    _guard(conn, run)
+
+
+# Driver calls per message in steady state: a ping-pong, so that each message is counted
+# alone, over one block that the sender hands out again and again (as a caching allocator
+# does) and events that come back to its pool once released.
+def steady_sender(conn, q, acks, n, per_msg):
+    def run():
+        driver = install()
+        server = ipc.exporter().server
+        counts = []
+        for i in range(n):
+            before = collections.Counter(driver.calls)
+            q.put([DevArray(5 * MiB + (i % 8) * 8192 + k * 64, 64) for k in range(per_msg)])
+            counts.append(dict(driver.calls - before))
+            if acks.get(timeout=TIMEOUT) != i or not wait_until(lambda: not server.outstanding()):
+                raise RuntimeError(f"message {i} was not released")
+        return counts
+    _guard(conn, run)
+
+
+def steady_receiver(conn, q, acks, n):
+    def run():
+        driver = install()
+        imp = ipc.importer()
+        counts = []
+        for i in range(n):
+            before = collections.Counter(driver.calls)
+            got = q.get(timeout=TIMEOUT)
+            del got                                   # released by the releaser thread
+            if not wait_until(lambda: not imp.mappings()):
+                raise RuntimeError(f"message {i} was not released here")
+            counts.append(dict(driver.calls - before))
+            acks.put(i)
+        return counts
+    _guard(conn, run)
+
+
+def send_blocks(conn, q, n, done):
+    """Send one array in each of ``n`` blocks; stay until ``done`` (the receiver's blocks
+    stay open after release: they are the sender's memory)."""
+    def run():
+        install()
+        q.put([DevArray((10 + k) * MiB + 64, 64) for k in range(n)])
+        _wait(done, "get done")
+        return wait_until(lambda: not ipc.exporter().server.outstanding())
+    _guard(conn, run)
+
+
+def idle_blocks(conn, q, keep):
+    """Receive arrays over several blocks with at most ``keep`` idle blocks kept open; report
+    what stays open after release, then after the cache's idle time ($SHAREDMP_CACHE_IDLE)."""
+    def run():
+        ipc.MAX_IDLE_BLOCKS = keep
+        driver = install()
+        got = q.get(timeout=TIMEOUT)
+        info = {"opens": driver.opens}
+        del got
+        imp = ipc.importer()
+        info["unmapped"] = wait_until(lambda: not imp.mappings())
+        info["closed_at_release"] = driver.closes
+        info["idle_bytes"] = imp.held()[0]
+        info["let_go_when_idle"] = wait_until(lambda: imp.held() == (0, 0))
+        info["closes"] = driver.closes
         return info
     _guard(conn, run)

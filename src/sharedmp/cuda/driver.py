@@ -13,9 +13,10 @@ Facts this relies on (cuda-bindings 12.9 / 13.x):
   counts a reference): we always open in the device's primary context, which torch and
   CuPy use too;
 - interprocess events need ``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``.
-Calls run with the device's primary context pushed on the calling thread, so that they
-work from any thread (the lease and release threads too) and leave the caller's
-context stack as it was.
+Calls run in the device's primary context: where it is already current on the calling
+thread (torch's and CuPy's threads once they have used the device) as is, elsewhere
+pushed and popped again, so that they work from any thread (the lease and release
+threads too) and leave the caller's context stack as it was.
 """
 import ctypes
 import threading
@@ -68,6 +69,11 @@ def _bytes_of(handle, size):
     return ctypes.string_at(handle.getPtr(), size)
 
 
+def _address(handle):
+    """The pointer a handle object (CUcontext, ...) holds (0 for NULL), read as its bytes are."""
+    return ctypes.c_void_p.from_address(handle.getPtr()).value or 0
+
+
 def _handle(cls, data):
     h = cls()
     ctypes.memmove(h.getPtr(), bytes(data), len(data))
@@ -90,6 +96,7 @@ class Driver:
         self._uuids = [_check(_cu.cuDeviceGetUuid(d), "cuDeviceGetUuid").bytes
                        for d in self._devices]
         self._contexts = {}
+        self._marks = {}              # ordinal -> [plain events of mark(), ready for reuse]
         self._lock = threading.Lock()
         attr = _cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_IPC_EVENT_SUPPORTED
         self._ipc_events = [bool(_check(_cu.cuDeviceGetAttribute(attr, d), "cuDeviceGetAttribute"))
@@ -120,6 +127,9 @@ class Driver:
                     ctx = _check(_cu.cuDevicePrimaryCtxRetain(self._devices[ordinal]),
                                  "cuDevicePrimaryCtxRetain")
                     self._contexts[ordinal] = ctx
+        if _address(_check(_cu.cuCtxGetCurrent(), "cuCtxGetCurrent")) == _address(ctx):
+            yield                     # (one call instead of a push and a pop)
+            return
         _check(_cu.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
         try:
             yield
@@ -185,31 +195,49 @@ class Driver:
         with self._on(ordinal):
             _check(_cu.cuIpcCloseMemHandle(_cu.CUdeviceptr(ptr)), "cuIpcCloseMemHandle")
 
-    def wait_event(self, ordinal, handle, stream):
-        """Make ``stream`` wait for the producer's event ``handle`` (bytes)."""
+    def open_event(self, ordinal, handle):
+        """The producer's interprocess event ``handle`` (bytes), opened here (``wait`` on it
+        as often as needed, then ``close_event``)."""
         h = _handle(_cu.CUipcEventHandle, handle)
         with self._on(ordinal):
-            ev = _check(_cu.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
-            try:
-                _check(_cu.cuStreamWaitEvent(_cu.CUstream(stream), ev, 0), "cuStreamWaitEvent")
-            finally:
-                _check(_cu.cuEventDestroy(ev), "cuEventDestroy")
+            return _check(_cu.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
+
+    def wait(self, ordinal, event, stream):
+        """Make ``stream`` wait for the last record of an opened producer's event."""
+        with self._on(ordinal):
+            _check(_cu.cuStreamWaitEvent(_cu.CUstream(stream), event, 0), "cuStreamWaitEvent")
+
+    def close_event(self, ordinal, event):
+        with self._on(ordinal):
+            _check(_cu.cuEventDestroy(event), "cuEventDestroy")
 
     def mark(self, ordinal, stream):
-        """A plain event recorded on ``stream`` now (the receiver's work on released memory)."""
-        flags = int(_cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        """A plain event recorded on ``stream`` now (the receiver's work on released memory),
+        from a pool: ``finish`` gives it back."""
+        with self._lock:
+            free = self._marks.setdefault(ordinal, [])
+            ev = free.pop() if free else None
         with self._on(ordinal):
-            ev = _check(_cu.cuEventCreate(flags), "cuEventCreate")
+            if ev is None:
+                ev = _check(_cu.cuEventCreate(int(_cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)),
+                            "cuEventCreate")
             _check(_cu.cuEventRecord(ev, _cu.CUstream(stream)), "cuEventRecord")
         return ev
 
     def finish(self, ordinal, event):
-        """Wait for a ``mark`` event, then destroy it."""
+        """Wait for a ``mark`` event; it goes back to the pool (destroyed past 64 there)."""
         with self._on(ordinal):
             try:
                 _check(_cu.cuEventSynchronize(event), "cuEventSynchronize")
-            finally:
+            except CudaError:
                 _check(_cu.cuEventDestroy(event), "cuEventDestroy")
+                raise
+            with self._lock:
+                free = self._marks.setdefault(ordinal, [])
+                if len(free) < 64:
+                    free.append(event)
+                    return
+            _check(_cu.cuEventDestroy(event), "cuEventDestroy")
 
 
 _driver = None

@@ -15,10 +15,24 @@ Receiver (``Importer.open``): CLAIM the lease first (a sender that has exited fa
 here, before any CUDA call), map the device UUID to a local device, open each block
 once per process (CUDA allows one context per device per other process to open it;
 every array over it shares that mapping, counted), make the current stream wait for
-the event. The framework object keeps a *holder*; when the holder dies, its finalizer
-records an event on the current stream and a releaser thread waits for it, closes the
-block at its last holder, then RELEASEs the lease. Finalizers at interpreter shutdown
-make no CUDA call.
+the event (once per event and stream in a message). The framework object keeps a
+*holder*; when the holder dies, its finalizer hands (lease, stream) to a releaser thread,
+which records one event per stream for all it has been handed so far, waits for it (the
+receiver's work on those arrays is done), and RELEASEs their leases in one write per
+sender. Finalizers at interpreter shutdown make no CUDA call.
+
+What the receiver keeps (a cache, under ``memory/cache.py``'s rules: let go after
+``$SHAREDMP_CACHE_IDLE`` seconds unused, shown by doctor as "cuda", dropped by
+``mp.empty_cache()``): blocks whose last holder has died stay open (at most
+``MAX_IDLE_BLOCKS``), so that the next message over the same allocation (a caching
+allocator hands the same blocks out again and again) opens nothing; and the senders'
+event handles, opened once (a sender reuses its events). The memory of an idle block stays
+allocated for its sender until it is let go.
+
+Driver calls in steady state (``README``: the counts, checked by a test with the stand-in
+driver): sender, per array: the allocation's buffer id; per message and stream: one event
+record. Receiver, per message: one stream wait per event. Release, per batch of arrays
+let go together: one event record and one wait per stream.
 
 Forwarding: a receiver may send what it received on (a chain of processes). The
 descriptor keeps the owner's block handle; the lease is the forwarder's, holding its
@@ -31,17 +45,21 @@ import queue
 import secrets
 import sys
 import threading
+import time
 import warnings
 import weakref
 
 from .. import forks
 from .. import wire
+from ..memory import cache
 from ..errors import ProtocolError
 from . import lease as _lease
 
 VERSION = 1
 KIND = "legacy-ipc"
 MAX_EVENTS = 1000                 # live interprocess events per sender (torch's cap too)
+MAX_IDLE_BLOCKS = 64              # received blocks kept open after their last holder died
+MAX_OPEN_EVENTS = 4096            # senders' event handles kept open by a receiver
 _ADDRESS_PREFIX = b"\0sharedmp-cuda-"
 _nonce = secrets.token_bytes(16)  # this process, in descriptors (pids are reused)
 
@@ -234,10 +252,11 @@ class Exporter:
 # ---------------------------------------------------------------------------------------
 
 class _Mapping:
-    __slots__ = ("ordinal", "ptr", "holders")
+    __slots__ = ("ordinal", "ptr", "size", "holders", "idle_since")
 
-    def __init__(self, ordinal, ptr):
-        self.ordinal, self.ptr, self.holders = ordinal, ptr, 0
+    def __init__(self, ordinal, ptr, size):
+        self.ordinal, self.ptr, self.size, self.holders = ordinal, ptr, size, 0
+        self.idle_since = 0.0
 
 
 class Holder:
@@ -255,7 +274,10 @@ class Importer:
     def __init__(self, driver, client):
         self.driver = driver
         self.client = client
-        self._maps = {}               # (owner nonce, handle) -> _Mapping
+        self._maps = {}               # (owner nonce, handle) -> _Mapping (idle: no holder)
+        self._idle = 0                # how many of them are idle
+        self._events = {}             # (owner nonce, event handle) -> [opened event, last use]
+        self._memo = (None, set())    # (message being unpickled, {(ordinal, event, stream)})
         self._views = {}              # (owner, handle, offset, nbytes, kind) -> weakref
         self._lock = threading.Lock()
         self._regions = {}            # (ordinal, ptr, nbytes) -> weakref to its Holder
@@ -291,13 +313,15 @@ class Importer:
             with self._lock:
                 m = self._maps.get(key)
                 if m is None:
-                    m = _Mapping(ordinal, self.driver.open(ordinal, d.handle))
+                    m = _Mapping(ordinal, self.driver.open(ordinal, d.handle), d.block_size)
                     self._maps[key] = m
                     self.opened += 1
+                elif m.holders == 0:
+                    self._idle -= 1                   # an idle block in use again
                 m.holders += 1
             try:
                 if d.event is not None:
-                    self.driver.wait_event(ordinal, d.event, stream_of(ordinal))
+                    self._wait(d, ordinal, stream_of(ordinal))
             except BaseException:
                 self._unmap(key)
                 raise
@@ -311,24 +335,49 @@ class Importer:
         f.atexit = False                              # no CUDA calls at interpreter shutdown
         return holder
 
+    def _wait(self, d, ordinal, stream):
+        """Make ``stream`` wait for the sender's event of ``d``: once per message, event and
+        stream; the event handle opened once (the sender reuses its events)."""
+        oob = wire.current()
+        memo_oob, memo = self._memo
+        if oob is not memo_oob:
+            memo = set()
+            self._memo = (oob, memo) if oob is not None else (None, set())
+        if (ordinal, d.event, stream) in memo:
+            return
+        key = (d.owner, d.event)
+        with self._lock:
+            entry = self._events.get(key)
+            if entry is None:
+                if len(self._events) >= MAX_OPEN_EVENTS:
+                    self._close_events(sorted(self._events, key=lambda k: self._events[k][1])
+                                       [:MAX_OPEN_EVENTS // 4])
+                ev = self.driver.open_event(ordinal, d.event)
+                entry = self._events[key] = [ev, 0.0, ordinal]
+            entry[1] = time.monotonic()
+            self.driver.wait(ordinal, entry[0], stream)   # (not closed meanwhile: the lock)
+        if oob is not None:
+            memo.add((ordinal, d.event, stream))
+        cache.start()                                 # (lets the handle go once idle)
+
     def received(self, ordinal, ptr, nbytes):
         """The live Holder of a region received here (to forward it), or None."""
         ref = self._regions.get((ordinal, ptr, nbytes))
         return ref() if ref is not None else None
 
     def _finalized(self, d, key, ordinal, stream_of, region):
-        # Runs where the last view died (any thread). Only records an event: the wait, the
-        # close and the RELEASE happen in the releaser thread.
+        # Runs where the last view died (any thread): no CUDA call here, only the stream
+        # this thread uses now (torch's current stream is per thread).
         ref = self._regions.get(region)
         if ref is not None and ref() is None:
             self._regions.pop(region, None)
         if sys.is_finalizing():
             return
         try:
-            ev = self.driver.mark(ordinal, stream_of(ordinal))
+            stream = stream_of(ordinal)
         except Exception:
-            ev = None                                 # (a dead context: release anyway)
-        self._releases.put((d, key, ordinal, ev))
+            stream = None                             # (a dead context: release anyway)
+        self._releases.put((d, key, ordinal, stream))
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -338,33 +387,104 @@ class Importer:
 
     def _releaser(self):
         while True:
-            d, key, ordinal, ev = self._releases.get()
+            batch = [self._releases.get()]
+            while True:                               # everything let go since: one batch
+                try:
+                    batch.append(self._releases.get_nowait())
+                except queue.Empty:
+                    break
+            self._release(batch)
+            del batch
+
+    def _release(self, batch):
+        """Wait for the receiver's work on the arrays of ``batch`` (one event per stream:
+        recorded now, it follows all the work queued there when they died), then let the
+        blocks go idle and RELEASE the leases, one write per sender."""
+        marks = {}
+        for _, _, ordinal, stream in batch:
+            if stream is not None and (ordinal, stream) not in marks:
+                try:
+                    marks[ordinal, stream] = self.driver.mark(ordinal, stream)
+                except Exception:
+                    marks[ordinal, stream] = None
+        for (ordinal, _), ev in marks.items():
             try:
                 if ev is not None:
                     self.driver.finish(ordinal, ev)   # our work on that memory is done
             except Exception as e:
                 warnings.warn(f"sharedmp: waiting for work on a received CUDA array failed: {e!r}",
                               RuntimeWarning)
+        tokens = {}
+        for d, key, _, _ in batch:
             self._unmap(key)
-            self.client.release(d.lease, d.token)
+            tokens.setdefault(d.lease, []).append(d.token)
+        for address, those in tokens.items():
+            self.client.release(address, *those)
 
     def _unmap(self, key):
+        """One holder fewer on a block; at the last, the block goes idle (kept open)."""
         with self._lock:
             m = self._maps[key]
             m.holders -= 1
             if m.holders:
                 return
-            del self._maps[key]
+            m.idle_since = time.monotonic()
+            self._idle += 1
+            oldest = None
+            if self._idle > MAX_IDLE_BLOCKS:
+                oldest = min((k for k, x in self._maps.items() if not x.holders),
+                             key=lambda k: self._maps[k].idle_since)
+        if oldest is not None:
+            self._close_blocks([oldest])
+        cache.start()                                 # (lets the block go once idle)
+
+    def _close_blocks(self, keys):
+        """Close the idle blocks ``keys`` (those still idle)."""
+        closing = []
+        with self._lock:
+            for k in keys:
+                m = self._maps.get(k)
+                if m is not None and not m.holders:
+                    del self._maps[k]
+                    self._idle -= 1
+                    closing.append(m)
+        for m in closing:
             try:
                 self.driver.close(m.ordinal, m.ptr)
             except Exception as e:
                 warnings.warn(f"sharedmp: closing a received CUDA block failed: {e!r}",
                               RuntimeWarning)
 
-    def mappings(self):
-        """{(owner, handle): holders} of the blocks open now."""
+    def _close_events(self, keys):
+        """(under the lock) Close the opened event handles ``keys``."""
+        for k in keys:
+            ev, _, ordinal = self._events.pop(k)
+            try:
+                self.driver.close_event(ordinal, ev)
+            except Exception:
+                pass                                  # (its sender has exited)
+
+    def expire(self, cutoff):
+        """Let go of idle blocks and event handles unused since ``cutoff`` (all: None);
+        whether any is left."""
         with self._lock:
-            return {k: m.holders for k, m in self._maps.items()}
+            blocks = [k for k, m in self._maps.items()
+                      if not m.holders and (cutoff is None or m.idle_since < cutoff)]
+        self._close_blocks(blocks)
+        with self._lock:
+            self._close_events([k for k, e in self._events.items()
+                                if cutoff is None or e[1] < cutoff])
+            return bool(self._idle or self._events)
+
+    def held(self):
+        """(bytes of the senders' memory kept open while idle, 0 fds)."""
+        with self._lock:
+            return sum(m.size for m in self._maps.values() if not m.holders), 0
+
+    def mappings(self):
+        """{(owner, handle): holders} of the blocks in use now (idle ones are not listed)."""
+        with self._lock:
+            return {k: m.holders for k, m in self._maps.items() if m.holders}
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,6 +513,19 @@ def importer():
             if _importer is None:
                 _importer = Importer(driver.get(), _lease.client())
     return _importer
+
+
+def _expire(cutoff):
+    imp = _importer
+    return imp.expire(cutoff) if imp is not None else False
+
+
+def _held():
+    imp = _importer
+    return imp.held() if imp is not None else (0, 0)
+
+
+cache.register(5, "cuda", _expire, _held)
 
 
 @forks.in_child

@@ -340,13 +340,14 @@ class LeaseClient:
                     f"server: {e.strerror or e}); its memory is gone. Keep the sender alive until "
                     "the receivers have got its arrays.") from None
 
-    def release(self, address, token):
-        """RELEASE ``token`` (dropped, with one warning, if the sender is gone)."""
+    def release(self, address, *tokens):
+        """RELEASE each of ``tokens``, in one write (dropped, with one warning, if the
+        sender is gone)."""
         with self._lock:
             if address in self._dead:
                 return
             try:
-                self._conn(address).sendall(RELEASE + token)
+                self._conn(address).sendall(b"".join(RELEASE + t for t in tokens))
             except OSError:
                 self._forget(address)
                 warnings.warn("sharedmp: the sender of CUDA arrays held here has exited; their "

@@ -2,10 +2,12 @@
 CUDA sharing, in one run, when a GPU is there (skipped with the reason otherwise).
 
 C1: 2,000 fresh float32[256] CUDA tensors, one per message. C2: 100 fresh 16 MiB CUDA
-tensors, one per message. Each system runs as a consumer (this file run as a script,
-in a fresh process) and a spawned producer; the consumer reads one element of each
-tensor (a device sync) and drops it. The figure is the best of the timed rounds after
-a warm-up round. The producer stays alive until the consumer is done (torch needs it).
+tensors, one per message. C3: 50 state_dicts of 100 fresh CUDA tensors each, 4 KiB to
+4 MiB (about 60 MiB a message). C4: one 16 MiB CUDA tensor sent 200 times. Each system
+runs as a consumer (this file run as a script, in a fresh process) and a spawned
+producer; the consumer reads one element of a message's first and last tensor (a device
+sync) and drops the message. The figure is the best of the timed rounds after a warm-up
+round. The producer stays alive until the consumer is done (torch needs it).
 """
 import json
 import os
@@ -14,8 +16,12 @@ import sys
 import time
 
 MARK = "@@sharedmp-bench-cuda@@ "
-WORKLOADS = [("C1", 2000, 256, "fresh 1 KiB CUDA tensor each"),
-             ("C2", 100, 4 << 20, "fresh 16 MiB CUDA tensor each")]
+WORKLOADS = [("C1", 2000, 256, "fresh 1 KiB CUDA tensor each"),           # (id, n, numel, title)
+             ("C2", 100, 4 << 20, "fresh 16 MiB CUDA tensor each"),
+             ("C3", 50, None, "state_dict of 100 tensors, 4 KiB-4 MiB"),
+             ("C4", 200, 4 << 20, "one 16 MiB tensor, sent again")]
+# C3's tensors: 100 sizes from 1 Ki to 1 Mi float32, evenly spaced in log
+C3_NUMELS = [int(1024 * 1024 ** (k / 99)) for k in range(100)]
 SYSTEMS = [("sharedmp", "sharedmp"), ("torch", "torch.multiprocessing")]
 
 
@@ -39,14 +45,34 @@ def _producer(system, plan, q, go, done, timeout):
     import torch
     if system == "sharedmp":
         import sharedmp  # noqa: F401  (its reducers)
-    for _, n, numel, rounds in plan:
+    same = torch.full((4 << 20,), 7.0, device="cuda")          # C4's one tensor
+    for wid, n, numel, rounds in plan:
         for _ in range(rounds):
             if not go.acquire(timeout=timeout):
                 return
             q.put("start")
             for i in range(n):
-                q.put(torch.full((numel,), float(i), device="cuda"))
+                if wid == "C3":
+                    q.put({f"layer{k}.weight": torch.full((m,), float(i), device="cuda")
+                           for k, m in enumerate(C3_NUMELS)})
+                elif wid == "C4":
+                    q.put(same)
+                else:
+                    q.put(torch.full((numel,), float(i), device="cuda"))
     done.wait(timeout)
+
+
+def _check(wid, i, msg):
+    """Read a message's first and last tensor (a device sync each)."""
+    tensors = list(msg.values()) if isinstance(msg, dict) else [msg]
+    want = 7.0 if wid == "C4" else float(i)
+    for t in (tensors[0], tensors[-1]):
+        if t[0].item() != want:
+            raise RuntimeError(f"{wid}: message {i} reads {t[0].item()}, not {want}")
+
+
+def _nbytes(wid, numel):
+    return 4 * (sum(C3_NUMELS) if wid == "C3" else numel)
 
 
 def _consumer(system, quick, timeout):
@@ -70,15 +96,15 @@ def _consumer(system, quick, timeout):
                 assert q.get(timeout=timeout) == "start"
                 t0 = time.perf_counter()
                 for i in range(n):
-                    t = q.get(timeout=timeout)
-                    if t[0].item() != float(i):
-                        raise RuntimeError(f"{wid}: tensor {i} reads {t[0].item()}")
-                    del t
+                    msg = q.get(timeout=timeout)
+                    _check(wid, i, msg)
+                    del msg
                 if r:
                     times.append(time.perf_counter() - t0)
             best = min(times)
             sys.stdout.write(MARK + json.dumps({"workload": wid, "n": n, "msgs": n / best,
-                                                "gbps": n * numel * 4 / best / 1e9}) + "\n")
+                                                "gbps": n * _nbytes(wid, numel) / best / 1e9})
+                             + "\n")
             sys.stdout.flush()
     finally:
         done.set()
