@@ -15,10 +15,10 @@ J3   5,000 tiny tasks (``abs``): the per-task overhead, with joblib's auto-batch
 J4   20 tasks, each summing a 64 MiB torch tensor (if torch is installed)
 J5   scikit-learn: ``cross_val_score`` of a 50-tree random forest on digits, 4 folds
 
-What each backend pays, as it would in a program: loky keeps its workers between calls
-(they are started and warmed up, NumPy, torch and scikit-learn imported, before timing);
-sharedmp starts a pool per call (joblib's multiprocessing backend does the same), with
-joblib's start method for it (fork on Linux before Python 3.14) unless ``--start-method``.
+What each backend pays, as it would in a program: both keep their workers between calls
+(loky's reusable executor, sharedmp's warm pool; they are started and warmed up, NumPy,
+torch and scikit-learn imported, before timing); sharedmp with joblib's start method for
+it (fork on Linux before Python 3.14) unless ``--start-method``.
 One BLAS/OpenMP/torch thread per process for both (loky gives its workers
 cpu_count // n_jobs threads, 1 on a 2-core machine), set before NumPy is imported.
 """
@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import joblib  # noqa: E402
 
 import sharedmp as mp  # noqa: E402
-import sharedmp.joblib  # noqa: E402,F401  (registers "sharedmp")
+import sharedmp.joblib  # noqa: E402  (registers "sharedmp")
 
 MiB = 1 << 20
 
@@ -164,6 +164,7 @@ def main(argv=None):
 
     from joblib.externals.loky import get_reusable_executor
     get_reusable_executor().shutdown(wait=True)
+    sharedmp.joblib.release_pool()
 
     method = args.start_method or joblib.parallel.DEFAULT_MP_CONTEXT or mp.get_start_method()
     method = method if isinstance(method, str) else method.get_start_method()

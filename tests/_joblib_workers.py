@@ -96,3 +96,30 @@ def init(value):
 
 def initialised(_):
     return _initialised
+
+
+def sleep(seconds):
+    """A task that outlives the call's timeout (the pool must be killed under it)."""
+    import time
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def pid_or_fail(i):
+    """This worker's pid; task 1 raises (the call aborts)."""
+    if i == 1:
+        raise ValueError("task 1 fails")
+    return os.getpid()
+
+
+def call_in_child(q):
+    """In a forked child: the pools it sees kept warm (the parent's must not be its own) and
+    the pids of a Parallel call of its own."""
+    import joblib
+
+    import sharedmp.joblib  # noqa: F401
+    from sharedmp.memory import cache
+    inherited = cache.processes()
+    with joblib.parallel_config(backend="sharedmp", n_jobs=2):
+        pids = joblib.Parallel(timeout=60)(joblib.delayed(pid)(i) for i in range(8))
+    q.put((inherited, sorted(set(pids))))

@@ -1,8 +1,8 @@
 """`python -m sharedmp bench`: the real bench, at a tiny scale, in a subprocess.
 
-No assertion on speed: only that every workload and system was measured, that the
-figures are positive, that the JSON and the plot were written, and that the run left
-nothing behind in /dev/shm.
+No assertion on speed: only that every workload and system was measured (the process-start
+rows S1-S6 too), that the figures are positive, that the JSON and the plot were written,
+and that the run left nothing behind in /dev/shm.
 """
 import importlib.util
 import json
@@ -18,6 +18,8 @@ from sharedmp.memory import leftovers
 
 TIMEOUT = 180
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_JOBLIB = importlib.util.find_spec("joblib") is not None
+START_IDS = ["S1", "S2", "S3", "S4", "S5", "S6"]
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs memfd and /proc")
 
@@ -76,6 +78,30 @@ def test_every_workload_and_system_measured(tiny_run):
 
 
 @linux_only
+def test_process_start_rows_measured(tiny_run):
+    _, report, _, _ = tiny_run
+    section = report["start"]
+    assert [w["id"] for w in section["workloads"]] == START_IDS
+    for w in section["workloads"]:
+        res = section["results"][w["id"]]
+        assert set(res) == {"sharedmp", w["baseline"]}
+        needs = {"S5": HAVE_JOBLIB, "S6": HAVE_JOBLIB and HAVE_TORCH}.get(w["id"], True)
+        if not needs:
+            assert {r["status"] for r in res.values()} == {"n/a"}
+            continue
+        for system, r in res.items():
+            assert r["status"] == "ok", (w["id"], system, r)
+            if w["kind"] == "import":          # the median of n runs, and the modules it adds
+                assert r["ms"] > 0 and len(r["runs_ms"]) == w["n"] >= 3 and r["modules"] > 0
+                assert r["heavy"] == []        # neither NumPy nor torch on import
+            else:
+                assert r["seconds"] > 0 and r["n"] == w["n"] >= 2
+        assert section["ratios"][w["id"]] > 0
+    modules = section["results"]["S1"]
+    assert modules["sharedmp"]["modules"] > modules["stdlib"]["modules"]   # it imports multiprocessing
+
+
+@linux_only
 def test_bounds_ratios_and_metadata(tiny_run):
     _, report, _, _ = tiny_run
     b = report["bounds"]
@@ -86,7 +112,7 @@ def test_bounds_ratios_and_metadata(tiny_run):
     assert report["ratios"]["W1:msgs"]["vs_stdlib"] > 0
     assert report["ratios"]["W3:gbps"]["vs_alloc_fill_bound"] > 0
     assert {t["workload"] for t in report["targets"]} == {"W1", "W2", "W3", "W4", "W5", "W6", "W7",
-                                                          "P1", "P2", "P3"}
+                                                          "P1", "P2", "P3", *START_IDS}
     if HAVE_TORCH:
         for key in ("W1:msgs", "W2:gbps", "W3:gbps", "W4:msgs", "W5:msgs"):
             assert report["ratios"][key]["torch_vs_numpy"] > 0, key
@@ -113,6 +139,12 @@ def test_table_on_stdout(tiny_run):
                   "W7 >= 5x torch's default DataLoader", "torch's default DataLoader"):
         assert title in out
     assert "machine bounds" in out
+    assert "\nprocess start " in out and "smp/base time" in out
+    for w in START_IDS:
+        assert f"\n{w} " in out
+    for title in ("S1 import time <= 2x multiprocessing's", "S2 spawn Pool time <= 1.3x stdlib's",
+                  "S5 joblib tiny-call time <= 1x loky's"):
+        assert title in out
     assert "/dev/shm after the run: clean" in out
     assert report["shm_left"] == []
 
@@ -158,6 +190,35 @@ def test_plan_counts():
     quick = {w["id"]: w for w in plan.make_plan(0.2, 1)}
     assert quick["W1"]["n"] == 1000 and quick["W3"]["n"] == 8
     assert plan.make_plan(0.001, 1)[-1]["n"] == worker.W7_WORKERS + 2    # W7: batches past start-up
+
+
+def test_start_plan_counts_and_targets_from_figures():
+    full = {w["id"]: w for w in plan.make_start_plan(1.0)}
+    assert [full[k]["n"] for k in START_IDS] == [9, 100, 100, 100, 100, 10]
+    assert [full[k].get("method") for k in ("S2", "S3", "S4")] == ["spawn", "fork", "forkserver"]
+    tiny = {w["id"]: w for w in plan.make_start_plan(0.02)}
+    assert tiny["S1"]["n"] == 3 and tiny["S2"]["n"] == 2 and tiny["S6"]["n"] == 2
+    report = {"start": {"ratios": {"S1": 2.5, "S2": 1.2, "S5": None}}}
+    got = {t["workload"]: (t["value"], t["met"]) for t in bench_report.check_start_targets(report)}
+    assert got == {"S1": (2.5, False), "S2": (1.2, True), "S5": (None, None)}
+
+
+@linux_only
+def test_workloads_selects_process_start_rows_alone(tmp_path):
+    """--workloads S1,S3: those rows only; no bounds, no queue table."""
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "sharedmp", "bench", "--scale", "0.02",
+                           "--workloads", "S1,S3", "--json", str(out_json)],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    report = json.loads(out_json.read_text())
+    assert report["workloads"] == [] and "bounds" not in report
+    assert [w["id"] for w in report["start"]["workloads"]] == ["S1", "S3"]
+    assert [t["workload"] for t in report["targets"]] == ["S1", "S3"]
+    assert "machine bounds" not in proc.stdout and "\nS3 " in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "sharedmp", "bench", "--workloads", "S9"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown S9" in bad.stderr and "S1" in bad.stderr
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path):

@@ -358,9 +358,11 @@ def _command_line(pid):
 
 
 def survey_processes():
-    """[{pid, command, mapped, fds, cache, cache_fds}] of this user's live processes that hold
-    sharedmp memory (this one excepted): mapped bytes and fds from /proc, the part of them
-    that is cache from what each process publishes (``memory/cache.py``)."""
+    """[{pid, command, mapped, fds, cache, cache_fds, processes}] of this user's live processes
+    that hold sharedmp memory or keep a pool (this one excepted): mapped bytes and fds from
+    /proc, the part of them that is cache, and the processes kept warm ({name: {pids,
+    idle_s}}: the joblib backend's pool), from what each process publishes
+    (``memory/cache.py``)."""
     from ..memory import cache
     out = []
     uid, me = os.getuid(), os.getpid()
@@ -374,8 +376,16 @@ def survey_processes():
         parts = (stats or {}).get("cache", {}).values()
         out.append({"pid": pid, "command": _command_line(pid)[:80], "mapped": held[0],
                     "fds": held[1], "cache": sum(p[0] for p in parts),
-                    "cache_fds": sum(p[1] for p in parts), "idle_s": (stats or {}).get("idle_s")})
+                    "cache_fds": sum(p[1] for p in parts), "idle_s": (stats or {}).get("idle_s"),
+                    "processes": (stats or {}).get("processes") or {}})
     return out
+
+
+def _kept_processes(p):
+    """``; joblib-pool: 2 workers (pids ...), ...`` for each pool a process keeps warm."""
+    return "".join(f"; {name}: {len(d['pids'])} workers (pids "
+                   f"{', '.join(map(str, d['pids']))}), released after {d['idle_s']:g} s idle"
+                   for name, d in p["processes"].items())
 
 
 def check_processes():
@@ -386,12 +396,15 @@ def check_processes():
     total = sum(p["mapped"] for p in procs)
     cached = sum(p["cache"] for p in procs)
     items = [f"pid {p['pid']}: {_fmt_size(p['mapped'])} mapped, {p['fds']} fds; cache "
-             f"{_fmt_size(p['cache'])}, {p['cache_fds']} fds  ({p['command']})" for p in procs]
+             f"{_fmt_size(p['cache'])}, {p['cache_fds']} fds{_kept_processes(p)}  "
+             f"({p['command']})" for p in procs]
+    pools = sum(bool(p["processes"]) for p in procs)
+    kept = f"; {pools} keep a pool of workers warm" if pools else ""
     return Check("processes", OK,
                  f"{len(procs)} process(es) hold {_fmt_size(total)} of sharedmp memory, "
                  f"{_fmt_size(cached)} of it cache (given back after "
                  f"{procs[0]['idle_s'] or 1:g} s idle, "
-                 "or at once by mp.empty_cache() in that process)", items=items)
+                 f"or at once by mp.empty_cache() in that process){kept}", items=items)
 
 
 def check_round_trip(strategy, fatal):

@@ -6,6 +6,9 @@ sharedmp keeps three caches of shared memory, each a loan from the user:
     segment.py   the few small segments received last, kept mapped (``_recent``)
     recycle.py   memfd segments this process made, kept mapped for reuse (the pool)
 
+and one of processes, when ``sharedmp.joblib`` is used: the joblib backend's warm pool of
+workers ("joblib-pool"), kept between ``Parallel`` calls for its own idle timeout.
+
 A stream of messages reuses them milliseconds apart. Once an entry has not been used for
 ``idle()`` seconds ($SHAREDMP_CACHE_IDLE, default 1), one background thread,
 ``sharedmp-cache``, lets it go: closed, unmapped, and under file_system unlinked by the
@@ -36,11 +39,13 @@ TICK = 0.25
 STATS_NAME = "stats.sharedmp"     # (not "sharedmp...": leak checks look for those)
 STATS_SIZE = 4096
 
-# expire(cutoff) -> whether the thread is still needed; held() -> (bytes, fds)
+# expire(cutoff) -> whether the thread is still needed; held() -> (bytes, fds);
+# processes() -> {"pids": [...], "idle_s": seconds} of the processes a cache keeps alive, or None
 Expire = Callable[[Optional[float]], bool]
 Held = Callable[[], tuple[int, int]]
-# [(order, name, expire, held)], sorted by order
-_caches: list[tuple[int, str, Expire, Held]] = []
+Processes = Callable[[], Optional[dict[str, Any]]]
+# [(order, name, expire, held, processes)], sorted by order
+_caches: list[tuple[int, str, Expire, Held, Optional[Processes]]] = []
 _lock = threading.Lock()
 _pass_lock = threading.Lock()     # one pass at a time: empty() waits for the thread's to end
 _thread: threading.Thread | None = None
@@ -64,11 +69,13 @@ def idle() -> float:
     return _idle
 
 
-def register(order: int, name: str, expire: Expire, held: Held) -> None:
+def register(order: int, name: str, expire: Expire, held: Held,
+             processes: Processes | None = None) -> None:
     """Add a cache. ``expire(cutoff)`` lets go of what was last used before the monotonic
     time ``cutoff`` (everything when ``cutoff`` is None) and returns whether the thread is
-    still needed; ``held()`` is (bytes, fds) of what the cache keeps now."""
-    _caches.append((order, name, expire, held))
+    still needed; ``held()`` is (bytes, fds) of what the cache keeps now; ``processes()``,
+    for a cache of processes, what it keeps alive (published for doctor)."""
+    _caches.append((order, name, expire, held, processes))
     _caches.sort(key=lambda c: c[0])
 
 
@@ -104,7 +111,7 @@ def expire(cutoff: float | None) -> bool:
     """One pass over the caches; whether any still needs the thread."""
     needed = False
     with _pass_lock:
-        for _, _, fn, _ in list(_caches):
+        for _, _, fn, _, _ in list(_caches):
             try:
                 needed = fn(cutoff) or needed
             except Exception:         # never let the thread die: the next pass retries
@@ -120,7 +127,13 @@ def empty() -> None:
 
 def held() -> dict[str, tuple[int, int]]:
     """{name: (bytes, fds)} of each cache (and of "mapped": everything this process maps)."""
-    return {name: fn() for _, name, _, fn in list(_caches)}
+    return {name: fn() for _, name, _, fn, _ in list(_caches)}
+
+
+def processes() -> dict[str, dict[str, Any]]:
+    """{name: {"pids": [...], "idle_s": seconds}} of each cache that keeps processes now."""
+    kept = ((name, fn()) for _, name, _, _, fn in list(_caches) if fn is not None)
+    return {name: d for name, d in kept if d}
 
 
 def stats() -> dict[str, Any]:
@@ -128,7 +141,8 @@ def stats() -> dict[str, Any]:
     parts = held()
     mapped = parts.pop("mapped", (0, 0))
     return {"pid": os.getpid(), "mapped_bytes": mapped[0], "mapped_fds": mapped[1],
-            "cache": {name: list(v) for name, v in parts.items()}, "idle_s": idle()}
+            "cache": {name: list(v) for name, v in parts.items()}, "idle_s": idle(),
+            "processes": processes()}
 
 
 def _publish() -> None:

@@ -52,11 +52,19 @@ The machine's bounds are measured in the same run: memcpy (``np.copyto`` of 64 M
 allocation + fill (a fresh ``np.empty`` of 64 MiB filled, in a loop) and round trips of
 a tiny message over ``multiprocessing.Pipe`` between two processes.
 
+The process-start rows, S1-S6 (``start.py``), are a table of their own, in seconds or
+milliseconds: ``import sharedmp`` against ``import multiprocessing``; rounds of
+``Pool(2)``/``map``/``terminate()`` under spawn, fork and forkserver against the standard
+library's; joblib ``Parallel`` calls of tiny tasks, and of a 64 MiB tensor, with the
+"sharedmp" backend against loky. Each run is a fresh program; ``--systems`` does not
+select them, ``--workloads`` does.
+
 The modules: this one is the command (``add_parser``, ``run``); ``plan`` says what is
 measured (systems, workloads, targets); ``driver`` runs the workers and makes the report;
 ``worker`` is the workers' script, importing only the standard library at its top (the
-others import from it, it from none of them); ``report`` makes the table, the ratios, the
-targets and the plot; ``cuda`` the CUDA rows, on a GPU.
+others import from it, it from none of them); ``start`` the process-start rows' programs;
+``report`` makes the tables, the ratios, the targets and the plot; ``cuda`` the CUDA rows,
+on a GPU.
 """
 import json
 import os
@@ -64,8 +72,8 @@ import sys
 
 from . import cuda as bench_cuda
 from .driver import bench
-from .plan import SYSTEMS, WORKLOADS
-from .report import format_footer, format_header, format_table, plot
+from .plan import START_WORKLOADS, SYSTEMS, WORKLOADS
+from .report import format_footer, format_header, format_start, format_table, plot
 
 
 def add_parser(subparsers):
@@ -88,7 +96,8 @@ def add_parser(subparsers):
     p.add_argument("--systems", metavar="S1,S2", default=None,
                    help="run only these systems, comma-separated (e.g. sharedmp,torch_fd)")
     p.add_argument("--workloads", metavar="W1,W2", default=None,
-                   help="run only these workloads, comma-separated (e.g. W2,W3)")
+                   help="run only these workloads, comma-separated (e.g. W2,W3; S1-S6: the "
+                   "process-start rows, which --systems does not select)")
     p.add_argument("--isolation", choices=["workload", "system"], default=None,
                    help=argparse.SUPPRESS)
     return p
@@ -101,7 +110,8 @@ def _error(msg):
 
 def _unknown_choice(systems, workloads):
     """The error for a --systems or --workloads name that is not one; None if all are."""
-    known_workloads = [w["id"] for w in WORKLOADS] + [c[0] for c in bench_cuda.WORKLOADS]
+    known_workloads = ([w["id"] for w in WORKLOADS] + [w["id"] for w in START_WORKLOADS]
+                       + [c[0] for c in bench_cuda.WORKLOADS])
     for flag, given, known in (("--systems", systems, [s for s, _ in SYSTEMS]),
                                ("--workloads", workloads, known_workloads)):
         unknown = sorted(given - set(known)) if given else []
@@ -135,16 +145,22 @@ def run(args):
     report = bench(scale, max(1, rounds), args.quick, timeout=args.timeout, systems=systems,
                    workloads=workloads, isolation=args.isolation)
     print(format_header(report))
-    print()
-    print(format_table(report))
+    if report["workloads"]:
+        print()
+        print(format_table(report))
+    if report.get("start"):
+        print()
+        print(format_start(report))
     # The CUDA rows (cuda.py): sharedmp against torch on a GPU; skipped without one.
     if workloads is None or any(w.startswith("C") for w in workloads):
         report["cuda"] = bench_cuda.run(args.quick)
         print()
         print(bench_cuda.format_rows(report["cuda"]))
-    if args.plot:
+    if args.plot and report["workloads"]:
         plot(report, args.plot)
         report["plot"] = os.path.abspath(args.plot)
+    elif args.plot:
+        print("\n--plot: nothing drawn (the plot shows the queue workloads, none was run)")
     print(format_footer(report), flush=True)
     if args.json:
         _write_json(report, args.json)

@@ -15,9 +15,10 @@ import time
 
 from ...memory import leftovers
 from . import worker
+from . import start
 from .plan import LONG_NAMES, METRIC_UNITS, SYSTEMS, WORKLOADS, counts, make_plan, scaled
-from .plan import state_dict_shapes
-from .report import check_targets, compute_ratios, fmt_num
+from .plan import make_start_plan, state_dict_shapes
+from .report import check_start_targets, check_targets, compute_ratios, fmt_num
 from .worker import MARK, TORCH_SYSTEMS
 
 
@@ -55,9 +56,9 @@ def _wait_group(pgid, timeout):
         time.sleep(0.02)
 
 
-def run_worker(spec, timeout):
-    """Run one worker; (list of its result dicts, status, stderr tail, seconds)."""
-    cmd = [sys.executable, os.path.abspath(worker.__file__), "--worker", json.dumps(spec)]
+def run_program(cmd, timeout):
+    """Run ``cmd`` in a session of its own; (stdout, status, stderr tail, seconds). What it
+    leaves running is given 10 s to finish, then its process group is killed."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_worker_env(), start_new_session=True)
@@ -73,6 +74,14 @@ def run_worker(spec, timeout):
         _kill_group(proc)              # whatever it started and left behind
         if proc.returncode != 0:
             status = "error"
+    tail = "\n".join(err.strip().splitlines()[-15:])
+    return out, status, tail, time.monotonic() - t0
+
+
+def run_worker(spec, timeout):
+    """Run one worker; (list of its result dicts, status, stderr tail, seconds)."""
+    cmd = [sys.executable, os.path.abspath(worker.__file__), "--worker", json.dumps(spec)]
+    out, status, tail, seconds = run_program(cmd, timeout)
     results = []
     for line in out.splitlines():
         if line.startswith(MARK):
@@ -80,8 +89,7 @@ def run_worker(spec, timeout):
                 results.append(json.loads(line[len(MARK):]))
             except ValueError:
                 pass
-    tail = "\n".join(err.strip().splitlines()[-15:])
-    return results, status, tail, time.monotonic() - t0
+    return results, status, tail, seconds
 
 
 def _shm_entries():
@@ -231,6 +239,49 @@ def _measure(report, system, ws, rounds, timeout):
     return status
 
 
+def _start_runs(w, system, paths, runs, timeout):
+    """The figures of ``runs`` runs of start row ``w`` for ``system`` (S1: one more run first,
+    untimed), or the failed run's result."""
+    figures = []
+    limit = timeout or (60.0 if w["kind"] == "import" else 60.0 + 2.0 * w["n"])
+    for k in range(1 + w["n"] if w["kind"] == "import" else runs):
+        out, status, tail, _ = run_program(start.commands(w, system, paths, sys.executable),
+                                           limit)
+        got = start.parse(w, out) if status == "ok" else None
+        if got is None:
+            return {"status": "error" if status == "ok" else status, "error": tail}
+        if w["kind"] != "import" or k > 0:
+            figures.append(got)
+    return figures
+
+
+def _measure_start(report, plan, runs, timeout):
+    """The process-start rows (``start.py``): each run a fresh program; sharedmp's runs of a
+    row, then its baseline's."""
+    import tempfile
+    section = report["start"] = {"workloads": plan, "runs": runs, "results": {}, "ratios": {}}
+    with tempfile.TemporaryDirectory(prefix="sharedmp-bench-") as directory:
+        paths = start.scripts(directory)
+        for w in plan:
+            systems = ["sharedmp", w["baseline"]]
+            _log(f"{w['id']:<14} {' '.join(systems)} ...")
+            why = start.missing(w)
+            res = {s: {"status": "n/a", "error": why} for s in systems} if why else \
+                {s: _start_runs(w, s, paths, runs, timeout) for s in systems}
+            res = {s: r if isinstance(r, dict) else start.summary(w, r) for s, r in res.items()}
+            section["results"][w["id"]] = res
+            key = "ms" if w["kind"] == "import" else "seconds"
+            mine, theirs = (res[s].get(key) for s in systems)
+            section["ratios"][w["id"]] = mine / theirs if mine and theirs else None
+            for s in systems:
+                r = res[s]
+                shown = f"{fmt_num(r[key])} {w['unit']}" if r["status"] == "ok" else \
+                    f"{r['status']} {r.get('error') or ''}"
+                _log(f"    {w['id']} {s}: {shown}")
+                if r["status"] not in ("ok", "n/a"):
+                    report["problems"].append(f"{w['id']} {s}: {shown}".strip())
+
+
 def _survey_shm(report, shm_before, timed_out):
     """What the run left in /dev/shm, and what was removed of it after a timeout."""
     # Releases may trail the processes a moment (torch_shm_manager).
@@ -248,9 +299,10 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
     """Run everything; the report (a JSON-able dict)."""
     t_start = time.monotonic()
     shm_before = _shm_entries()
-    plan = make_plan(scale, rounds)
+    plan, start_plan = make_plan(scale, rounds), make_start_plan(scale)
     if workloads:
         plan = [w for w in plan if w["id"] in workloads]
+        start_plan = [w for w in start_plan if w["id"] in workloads]
     have_torch = _torch_available()
     chosen = [s for s, _ in SYSTEMS if systems is None or s in systems]
     runnable = [s for s in chosen if have_torch or s not in TORCH_SYSTEMS]
@@ -263,13 +315,18 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
             return timeout
         return max(60.0, 150.0 * scale * rounds * len(ws) / 3 + 30.0 * len(ws))
 
-    _measure_bounds(report, rounds, scale, worker_timeout([1]))
+    if plan:
+        _measure_bounds(report, rounds, scale, worker_timeout([1]))
     timed_out = False
     for system, ws in _batches(plan, runnable, isolation):
         if _measure(report, system, ws, rounds, worker_timeout(ws)) == "timeout":
             timed_out = True
+    if start_plan:                     # best of 2 runs at most: a run is 100 pools
+        _measure_start(report, start_plan, min(rounds, 2), timeout)
+        timed_out = timed_out or any(r.get("status") == "timeout" for res in
+                                     report["start"]["results"].values() for r in res.values())
     report["ratios"] = compute_ratios(report)
-    report["targets"] = check_targets(report)
+    report["targets"] = check_targets(report) + check_start_targets(report)
     _survey_shm(report, shm_before, timed_out)
     try:
         report["machine"]["loadavg_end"] = os.getloadavg()

@@ -114,6 +114,38 @@ TARGETS = [   # (workload, metric, system, against, at least / at most, factor, 
 ]
 
 
+# The process-start rows (start.py): sharedmp's time against its baseline's, in the same run.
+# n: S1 the timed runs of each import (the median), the others the rounds or calls per run.
+START_WORKLOADS = [
+    dict(id="S1", n=9, kind="import", baseline="stdlib", unit="ms",
+         title="import sharedmp / import multiprocessing, fresh interpreter"),
+    dict(id="S2", n=100, kind="pool", method="spawn", baseline="stdlib", unit="s",
+         title="Pool(2) + map(abs, 10 items) + terminate(), spawn"),
+    dict(id="S3", n=100, kind="pool", method="fork", baseline="stdlib", unit="s",
+         title="Pool(2) + map(abs, 10 items) + terminate(), fork"),
+    dict(id="S4", n=100, kind="pool", method="forkserver", baseline="stdlib", unit="s",
+         title="Pool(2) + map(abs, 10 items) + terminate(), forkserver"),
+    dict(id="S5", n=100, kind="joblib", calls="tiny", baseline="loky", unit="s",
+         title="joblib Parallel(n_jobs=2) calls of 10 x abs"),
+    dict(id="S6", n=10, kind="joblib", calls="tensors", baseline="loky", unit="s",
+         title="joblib Parallel(n_jobs=2) calls, a fresh 64 MiB tensor to 2 tasks"),
+]
+START_TARGETS = [   # (workload, sharedmp's time at most this factor of the baseline's, text)
+    ("S1", 2.0, "S1 import time <= 2x multiprocessing's"),
+    ("S2", 1.3, "S2 spawn Pool time <= 1.3x stdlib's"),
+    ("S3", 1.3, "S3 fork Pool time <= 1.3x stdlib's"),
+    ("S4", 1.3, "S4 forkserver Pool time <= 1.3x stdlib's"),
+    ("S5", 1.0, "S5 joblib tiny-call time <= 1x loky's"),
+    ("S6", 0.5, "S6 joblib tensor time <= 0.5x loky's"),
+]
+
+
+def make_start_plan(scale):
+    """The process-start rows with their counts at ``scale``."""
+    return [dict(w, n=scaled(w["n"], scale, minimum=3 if w["kind"] == "import" else 2))
+            for w in START_WORKLOADS]
+
+
 def _fmt_size(n):
     if n >= MiB:
         return f"{n / MiB:.1f} MiB"

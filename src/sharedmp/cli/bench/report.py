@@ -1,7 +1,7 @@
 """The table, the ratios, the targets and the plot of a bench report (``driver.py`` makes it)."""
 import math
 
-from .plan import COLORS, METRIC_UNITS, SYSTEMS, TARGETS
+from .plan import COLORS, METRIC_UNITS, START_TARGETS, SYSTEMS, TARGETS
 
 
 def fmt_num(v):
@@ -85,6 +85,49 @@ def check_targets(report):
         met = None if got is None else (value >= factor if op == ">=" else value <= factor)
         out.append({"target": text, "workload": wid, "value": got, "met": met, "kind": kind})
     return out
+
+
+def check_start_targets(report):
+    """The targets of the process-start rows: sharedmp's time over its baseline's, at most."""
+    ratios = (report.get("start") or {}).get("ratios", {})
+    out = []
+    for wid, factor, text in START_TARGETS:
+        if wid in ratios:
+            got = ratios[wid]
+            out.append({"target": text, "workload": wid, "value": got,
+                         "met": None if got is None else got <= factor, "kind": "ratio"})
+    return out
+
+
+def _start_cell(w, res):
+    if res is None:
+        return ""
+    if res.get("status") != "ok":
+        return res.get("status", "-")
+    if w["kind"] == "import":
+        heavy = f", with {' '.join(res['heavy'])}" if res.get("heavy") else ""
+        return f"{fmt_num(res['ms'])} ({res['modules']} modules{heavy})"
+    return fmt_num(res["seconds"])
+
+
+def format_start(report):
+    """The process-start rows: a table of their own (times: lower is better)."""
+    section = report["start"]
+    rows = []
+    for w in section["workloads"]:
+        res = section["results"][w["id"]]
+        label = f"{w['id']} {w['title']}, median of {w['n']}" if w["kind"] == "import" else \
+            f"{w['id']} {w['n']:,} x {w['title']}"
+        rows.append([label, w["unit"]] + [_start_cell(w, res.get(s))
+                                          for s in ("sharedmp", "stdlib", "loky")]
+                    + [_fmt_ratio(section["ratios"].get(w["id"]))])
+    head = ["process start", "unit", "sharedmp", "stdlib", "loky", "smp/base time"]
+    runs = section["runs"]
+    return "\n".join(_aligned(head, rows) + [
+        "", f"S1: the import statement in a fresh `python -c`; S2-S6: a fresh script per run, "
+        f"timed from its first round to its last, best of {runs} run{'s' if runs != 1 else ''};",
+        "    smp/base time: sharedmp's time over the standard library's (S1-S4) or loky's "
+        "(S5-S6): lower is better"])
 
 
 def _cell(res, metric):
@@ -194,9 +237,10 @@ def format_table(report):
 def format_header(report):
     m, v = report["machine"], report["versions"]
     mode = "quick" if report["quick"] else ("full" if report["scale"] == 1 else "scaled")
-    return (f"sharedmp bench ({mode}: scale {report['scale']:g}, best of {report['rounds']} timed "
-            f"round{'s' if report['rounds'] != 1 else ''}, spawn, fresh processes per "
-            f"{report['isolation']})\n"
+    how = (f"best of {report['rounds']} timed round{'s' if report['rounds'] != 1 else ''}, "
+           f"spawn, fresh processes per {report['isolation']}" if report["workloads"]
+           else "process-start rows only")
+    return (f"sharedmp bench ({mode}: scale {report['scale']:g}, {how})\n"
             f"{m.get('cpu', m['machine'])}, {m.get('cpus_usable', m['cpus'])} CPUs, "
             f"{m.get('memory_gib', '?')} GiB; Python {v['python']}, numpy {v['numpy']}, "
             f"torch {v['torch'] or 'n/a'}, sharedmp {v['sharedmp']}")
