@@ -202,6 +202,8 @@ def frame_oracle(payload, with_record, nfds, length, magic, version, flags, cut)
         return OSError, r"array (frame|header)|does not fit|segment"
     if kind == 2:                     # a tensor frame (encode_tensor): neither is it one
         return OSError, r"tensor (frame|header)|does not fit|segment|needs torch"
+    if kind == 3:                     # out-of-band buffers: [length][places][pickle]
+        return buffers_oracle(payload)
     if kind:
         return mp.ProtocolError, "unknown flags"
     if not payload:
@@ -212,6 +214,30 @@ def frame_oracle(payload, with_record, nfds, length, magic, version, flags, cut)
         return mp.ProtocolError, "ends before its pickle does"
     except pickle.UnpicklingError:
         return pickle.UnpicklingError, "."     # pickle's own message (truncated, invalid load key)
+
+
+def buffers_oracle(payload):
+    """What a FLAG_BUFFERS frame of these bytes must do (an honest pickle is never one)."""
+    if len(payload) < 4:
+        return mp.ProtocolError, "shorter than its header"
+    n = int.from_bytes(payload[:4], "little")
+    if n > len(payload) - 4:
+        return mp.ProtocolError, "bytes of places"
+    try:
+        places = pickle.loads(payload[4:4 + n])
+    except Exception:
+        return mp.ProtocolError, "places do not unpickle"
+    if type(places) is not list:
+        return mp.ProtocolError, "list of places"
+    if places:                        # nothing here is one of this process's segments
+        return mp.ProtocolError, "place must be"
+    rest = payload[4 + n:]
+    try:
+        return "ok", pickle.loads(rest, buffers=[])
+    except EOFError:
+        return mp.ProtocolError, "ends before its pickle does"
+    except Exception as e:            # whatever the pickle's bytes make of it
+        return type(e), ""
 
 
 @SETTINGS

@@ -65,6 +65,7 @@ def install() -> None:
     _when_numpy_is_imported()
     _when_torch_is_imported(_install_torch)
     _when_imported("cupy", _install_cupy)
+    _when_imported("polars", _install_polars)
 
 
 def _install_numpy() -> None:
@@ -130,6 +131,20 @@ def _install_cupy() -> None:
         wire.reducers_changed()
     except Exception as e:
         warnings.warn(f"sharedmp: CuPy support is off, its reducer failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _install_polars() -> None:
+    # Polars frames through Arrow, whose buffers travel out of band (reductions/polars.py).
+    try:
+        import polars as pl
+
+        from .reductions import polars
+        ForkingPickler.register(pl.DataFrame, polars.reduce_polars_frame)
+        ForkingPickler.register(pl.Series, polars.reduce_polars_series)
+        wire.reducers_changed()
+    except Exception as e:
+        warnings.warn(f"sharedmp: Polars support is off, its reducers failed to register: {e!r}",
                       RuntimeWarning, stacklevel=2)
 
 

@@ -4,6 +4,7 @@
     ndarray.py   NumPy arrays: pickled, or a fixed header for an array sent alone
     torch/       torch CPU tensors and storages (imported once torch is)
     cuda.py      torch CUDA tensors and CuPy arrays, by CUDA IPC
+    polars.py    Polars frames and series, as Arrow (whose buffers go out of band: wire.py)
 
 Nothing is registered here: ``sharedmp/registry.py`` holds the table and installs it.
 
