@@ -1,8 +1,8 @@
 """`python -m sharedmp bench`: the real bench, at a tiny scale, in a subprocess.
 
-No assertion on speed: only that every workload and system was measured (the process-start
-rows S1-S6 too), that the figures are positive, that the JSON and the plot were written,
-and that the run left nothing behind in /dev/shm.
+No assertion on speed: only that every workload and system was measured (the program rows
+too: process start S1-S6, data frames F1-F3), that the figures are positive, that the JSON
+and the plot were written, and that the run left nothing behind in /dev/shm.
 """
 import importlib.util
 import json
@@ -12,14 +12,22 @@ import sys
 
 import pytest
 
-from sharedmp.cli.bench import plan, worker
+from sharedmp.cli.bench import driver, plan, start, worker
 from sharedmp.cli.bench import report as bench_report
 from sharedmp.memory import leftovers
 
 TIMEOUT = 180
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_JOBLIB = importlib.util.find_spec("joblib") is not None
+HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
+HAVE_PANDAS = importlib.util.find_spec("pandas") is not None
+HAVE_POLARS = importlib.util.find_spec("polars") is not None
 START_IDS = ["S1", "S2", "S3", "S4", "S5", "S6"]
+FRAME_IDS = ["F1", "F2", "F3"]
+PROGRAM_IDS = START_IDS + FRAME_IDS
+# Whether each program row can run here (it is n/a, with the reason, where it cannot).
+RUNNABLE = {"S5": HAVE_JOBLIB, "S6": HAVE_JOBLIB and HAVE_TORCH, "F1": HAVE_PYARROW,
+            "F2": HAVE_PYARROW and HAVE_PANDAS, "F3": HAVE_PYARROW and HAVE_POLARS}
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs memfd and /proc")
 
@@ -81,19 +89,22 @@ def test_every_workload_and_system_measured(tiny_run):
 def test_process_start_rows_measured(tiny_run):
     _, report, _, _ = tiny_run
     section = report["start"]
-    assert [w["id"] for w in section["workloads"]] == START_IDS
+    assert [w["id"] for w in section["workloads"]] == PROGRAM_IDS
     for w in section["workloads"]:
         res = section["results"][w["id"]]
         assert set(res) == {"sharedmp", w["baseline"]}
-        needs = {"S5": HAVE_JOBLIB, "S6": HAVE_JOBLIB and HAVE_TORCH}.get(w["id"], True)
-        if not needs:
+        if not RUNNABLE.get(w["id"], True):
             assert {r["status"] for r in res.values()} == {"n/a"}
+            assert all(r["error"].startswith("needs ") for r in res.values())
             continue
         for system, r in res.items():
             assert r["status"] == "ok", (w["id"], system, r)
             if w["kind"] == "import":          # the median of n runs, and the modules it adds
                 assert r["ms"] > 0 and len(r["runs_ms"]) == w["n"] >= 3 and r["modules"] > 0
                 assert r["heavy"] == []        # neither NumPy nor torch on import
+            elif w["kind"] == "frame":         # ms per message, best of n messages per run
+                assert r["ms"] > 0 and r["n"] == w["n"] >= 2 and w["rows"] == 100_000
+                assert r["bytes"] > 9 * 8 * w["rows"]       # 8 float64 columns and strings
             else:
                 assert r["seconds"] > 0 and r["n"] == w["n"] >= 2
         assert section["ratios"][w["id"]] > 0
@@ -112,7 +123,7 @@ def test_bounds_ratios_and_metadata(tiny_run):
     assert report["ratios"]["W1:msgs"]["vs_stdlib"] > 0
     assert report["ratios"]["W3:gbps"]["vs_alloc_fill_bound"] > 0
     assert {t["workload"] for t in report["targets"]} == {"W1", "W2", "W3", "W4", "W5", "W6", "W7",
-                                                          "P1", "P2", "P3", *START_IDS}
+                                                          "P1", "P2", "P3", *PROGRAM_IDS}
     if HAVE_TORCH:
         for key in ("W1:msgs", "W2:gbps", "W3:gbps", "W4:msgs", "W5:msgs"):
             assert report["ratios"][key]["torch_vs_numpy"] > 0, key
@@ -140,10 +151,14 @@ def test_table_on_stdout(tiny_run):
         assert title in out
     assert "machine bounds" in out
     assert "\nprocess start " in out and "smp/base time" in out
-    for w in START_IDS:
+    assert "\ndata frames, one message " in out and "smp/stdlib time" in out
+    for w in PROGRAM_IDS:
         assert f"\n{w} " in out
     for title in ("S1 import time <= 2x multiprocessing's", "S2 spawn Pool time <= 1.3x stdlib's",
-                  "S5 joblib tiny-call time <= 1x loky's"):
+                  "S5 joblib tiny-call time <= 1x loky's",
+                  "F1 pyarrow.Table time <= 0.2x stdlib's",
+                  "F2 pandas DataFrame time <= 0.2x stdlib's",
+                  "F3 Polars DataFrame time <= 0.2x stdlib's"):
         assert title in out
     assert "/dev/shm after the run: clean" in out
     assert report["shm_left"] == []
@@ -194,13 +209,47 @@ def test_plan_counts():
 
 def test_start_plan_counts_and_targets_from_figures():
     full = {w["id"]: w for w in plan.make_start_plan(1.0)}
-    assert [full[k]["n"] for k in START_IDS] == [9, 100, 100, 100, 100, 10]
+    assert [full[k]["n"] for k in PROGRAM_IDS] == [9, 100, 100, 100, 100, 10, 5, 5, 5]
     assert [full[k].get("method") for k in ("S2", "S3", "S4")] == ["spawn", "fork", "forkserver"]
+    assert [full[k]["rows"] for k in FRAME_IDS] == [1_000_000] * 3
+    assert [full[k]["needs"] for k in FRAME_IDS] == [["pyarrow"], ["pyarrow", "pandas"],
+                                                     ["pyarrow", "polars"]]
     tiny = {w["id"]: w for w in plan.make_start_plan(0.02)}
     assert tiny["S1"]["n"] == 3 and tiny["S2"]["n"] == 2 and tiny["S6"]["n"] == 2
-    report = {"start": {"ratios": {"S1": 2.5, "S2": 1.2, "S5": None}}}
+    assert tiny["F1"]["n"] == 2 and tiny["F1"]["rows"] == 100_000    # data, not fixed costs
+    report = {"start": {"ratios": {"S1": 2.5, "S2": 1.2, "S5": None, "F1": 0.15, "F3": 0.3}}}
     got = {t["workload"]: (t["value"], t["met"]) for t in bench_report.check_start_targets(report)}
-    assert got == {"S1": (2.5, False), "S2": (1.2, True), "S5": (None, None)}
+    assert got == {"S1": (2.5, False), "S2": (1.2, True), "S5": (None, None),
+                   "F1": (0.15, True), "F3": (0.3, False)}
+
+
+def test_a_row_whose_module_is_missing_says_so():
+    """missing() names what a row needs and cannot import; nothing when all is there."""
+    assert start.missing({"needs": ["json", "sharedmp_no_such_module"]}) == \
+        "needs sharedmp_no_such_module"
+    assert start.missing({"needs": ["json"]}) is None and start.missing({}) is None
+
+
+@linux_only
+def test_frame_row_without_its_library_is_skipped_with_the_reason(tmp_path):
+    """F3 where polars cannot be imported (hidden in the bench's process): n/a for both
+    systems, with the reason in its row; no figure, no ratio, the target n/a; not a failure."""
+    out_json = tmp_path / "bench.json"
+    code = ("import sys; sys.modules['polars'] = None   # import polars fails here\n"
+            "from sharedmp.cli import main\n"
+            "sys.exit(main(['bench', '--scale', '0.02', '--workloads', 'F3', '--json', "
+            f"{str(out_json)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    report = json.loads(out_json.read_text())
+    assert report["start"]["results"]["F3"] == {
+        s: {"status": "n/a", "error": "needs polars"} for s in ("sharedmp", "stdlib")}
+    assert report["start"]["ratios"]["F3"] is None and report["problems"] == []
+    assert [(t["workload"], t["value"], t["met"]) for t in report["targets"]] == [
+        ("F3", None, None)]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("F3 "))
+    assert "[n/a: needs polars]" in row and row.split()[-3:] == ["n/a", "n/a", "-"]
 
 
 @linux_only
@@ -258,3 +307,29 @@ def test_torch_targets_from_figures():
     ratios = bench_report.compute_ratios(report)
     assert ratios["W1:msgs"]["torch_vs_numpy"] == 0.7 and ratios["W7:batches"]["vs_torch_fd"] == 6.0
     assert "torch_vs_numpy" not in ratios["W6:fds"]
+
+
+@linux_only
+@pytest.mark.skipif(not HAVE_PYARROW, reason="pyarrow is not installed")
+@pytest.mark.parametrize("module", ["sharedmp", "multiprocessing"])
+def test_frame_program_whose_child_dies_fails_at_once_and_says_why(tmp_path, module):
+    """The F rows' program with its child made to die on receipt (the one line changed): it
+    stops at once, not after its 30 s wait, names the child's exit code, and leaves nothing."""
+    script = tmp_path / "frames.py"
+    text = open(start.scripts(str(tmp_path))[f"frames_{module}.py"]).read()
+    line = "        del data                # let go of the message"
+    assert text.count(line) == 1
+    script.write_text(text.replace(line, "        import os; os._exit(3)  #"))
+    before = shm_entries()
+    proc = subprocess.Popen([sys.executable, str(script), "arrow", "1000", "2"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=25)
+    finally:
+        driver._wait_group(proc.pid, 5)            # its helpers (resource tracker) end too
+        alive = driver._group_alive(proc.pid)
+        driver._kill_group(proc)
+    assert proc.returncode == 1 and "the child exited with code 3" in err, err
+    assert worker.MARK not in out and not alive
+    new = {os.path.join("/dev/shm", n) for n in shm_entries() - before}
+    assert not new - leftovers.in_use(new)

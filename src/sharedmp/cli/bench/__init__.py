@@ -59,10 +59,16 @@ library's; joblib ``Parallel`` calls of tiny tasks, and of a 64 MiB tensor, with
 "sharedmp" backend against loky. Each run is a fresh program; ``--systems`` does not
 select them, ``--workloads`` does.
 
+The data-frame rows, F1-F3 (``start.py`` too, a table of their own, in ms per message): a
+``pyarrow.Table`` of 1,000,000 rows (8 float64 columns, 1 string column, about 80 MB), the
+same as a pandas and as a Polars DataFrame, one message through a spawn ``Queue`` to a child
+that reads its last row, sharedmp against the standard library; a row whose library
+(pyarrow, pandas, polars) is not installed is n/a, with the reason.
+
 The modules: this one is the command (``add_parser``, ``run``); ``plan`` says what is
 measured (systems, workloads, targets); ``driver`` runs the workers and makes the report;
 ``worker`` is the workers' script, importing only the standard library at its top (the
-others import from it, it from none of them); ``start`` the process-start rows' programs;
+others import from it, it from none of them); ``start`` the program rows' programs;
 ``report`` makes the tables, the ratios, the targets and the plot; ``cuda`` the CUDA rows,
 on a GPU.
 """
@@ -96,8 +102,9 @@ def add_parser(subparsers):
     p.add_argument("--systems", metavar="S1,S2", default=None,
                    help="run only these systems, comma-separated (e.g. sharedmp,torch_fd)")
     p.add_argument("--workloads", metavar="W1,W2", default=None,
-                   help="run only these workloads, comma-separated (e.g. W2,W3; S1-S6: the "
-                   "process-start rows, which --systems does not select)")
+                   help="run only these workloads, comma-separated (e.g. W2,W3; S1-S6 and "
+                   "F1-F3: the process-start and data-frame rows, which --systems does not "
+                   "select)")
     p.add_argument("--isolation", choices=["workload", "system"], default=None,
                    help=argparse.SUPPRESS)
     return p

@@ -240,8 +240,8 @@ def _measure(report, system, ws, rounds, timeout):
 
 
 def _start_runs(w, system, paths, runs, timeout):
-    """The figures of ``runs`` runs of start row ``w`` for ``system`` (S1: one more run first,
-    untimed), or the failed run's result."""
+    """The figures of ``runs`` runs of program row ``w`` for ``system`` (S1: one more run
+    first, untimed), or the failed run's result."""
     figures = []
     limit = timeout or (60.0 if w["kind"] == "import" else 60.0 + 2.0 * w["n"])
     for k in range(1 + w["n"] if w["kind"] == "import" else runs):
@@ -256,8 +256,8 @@ def _start_runs(w, system, paths, runs, timeout):
 
 
 def _measure_start(report, plan, runs, timeout):
-    """The process-start rows (``start.py``): each run a fresh program; sharedmp's runs of a
-    row, then its baseline's."""
+    """The program rows (``start.py``: process start, data frames): each run a fresh program;
+    sharedmp's runs of a row, then its baseline's; a row whose modules are missing, n/a."""
     import tempfile
     section = report["start"] = {"workloads": plan, "runs": runs, "results": {}, "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="sharedmp-bench-") as directory:
@@ -270,7 +270,7 @@ def _measure_start(report, plan, runs, timeout):
                 {s: _start_runs(w, s, paths, runs, timeout) for s in systems}
             res = {s: r if isinstance(r, dict) else start.summary(w, r) for s, r in res.items()}
             section["results"][w["id"]] = res
-            key = "ms" if w["kind"] == "import" else "seconds"
+            key = start.figure(w)
             mine, theirs = (res[s].get(key) for s in systems)
             section["ratios"][w["id"]] = mine / theirs if mine and theirs else None
             for s in systems:

@@ -114,8 +114,11 @@ TARGETS = [   # (workload, metric, system, against, at least / at most, factor, 
 ]
 
 
-# The process-start rows (start.py): sharedmp's time against its baseline's, in the same run.
-# n: S1 the timed runs of each import (the median), the others the rounds or calls per run.
+# The program rows (start.py), each figure from fresh programs: sharedmp's time against its
+# baseline's, in the same run; two tables: process start (S1-S6) and data frames (F1-F3).
+# n: S1 the timed runs of each import (the median), F1-F3 the timed messages per run, the
+# others the rounds or calls per run; needs: the modules a row cannot run without.
+FRAME_ROWS = 1_000_000            # F1-F3: 8 float64 columns + 1 string column, about 80 MB
 START_WORKLOADS = [
     dict(id="S1", n=9, kind="import", baseline="stdlib", unit="ms",
          title="import sharedmp / import multiprocessing, fresh interpreter"),
@@ -126,9 +129,17 @@ START_WORKLOADS = [
     dict(id="S4", n=100, kind="pool", method="forkserver", baseline="stdlib", unit="s",
          title="Pool(2) + map(abs, 10 items) + terminate(), forkserver"),
     dict(id="S5", n=100, kind="joblib", calls="tiny", baseline="loky", unit="s",
-         title="joblib Parallel(n_jobs=2) calls of 10 x abs"),
+         needs=["joblib"], title="joblib Parallel(n_jobs=2) calls of 10 x abs"),
     dict(id="S6", n=10, kind="joblib", calls="tensors", baseline="loky", unit="s",
+         needs=["joblib", "torch"],
          title="joblib Parallel(n_jobs=2) calls, a fresh 64 MiB tensor to 2 tasks"),
+    # One table or frame per message through a spawn Queue; the figure is ms per message.
+    dict(id="F1", n=5, kind="frame", frame="arrow", baseline="stdlib", unit="ms",
+         needs=["pyarrow"], title="pyarrow.Table"),
+    dict(id="F2", n=5, kind="frame", frame="pandas", baseline="stdlib", unit="ms",
+         needs=["pyarrow", "pandas"], title="pandas DataFrame (table.to_pandas())"),
+    dict(id="F3", n=5, kind="frame", frame="polars", baseline="stdlib", unit="ms",
+         needs=["pyarrow", "polars"], title="Polars DataFrame (polars.from_arrow(table))"),
 ]
 START_TARGETS = [   # (workload, sharedmp's time at most this factor of the baseline's, text)
     ("S1", 2.0, "S1 import time <= 2x multiprocessing's"),
@@ -137,13 +148,22 @@ START_TARGETS = [   # (workload, sharedmp's time at most this factor of the base
     ("S4", 1.3, "S4 forkserver Pool time <= 1.3x stdlib's"),
     ("S5", 1.0, "S5 joblib tiny-call time <= 1x loky's"),
     ("S6", 0.5, "S6 joblib tensor time <= 0.5x loky's"),
+    ("F1", 0.2, "F1 pyarrow.Table time <= 0.2x stdlib's"),
+    ("F2", 0.2, "F2 pandas DataFrame time <= 0.2x stdlib's"),
+    ("F3", 0.2, "F3 Polars DataFrame time <= 0.2x stdlib's"),
 ]
 
 
 def make_start_plan(scale):
-    """The process-start rows with their counts at ``scale``."""
-    return [dict(w, n=scaled(w["n"], scale, minimum=3 if w["kind"] == "import" else 2))
-            for w in START_WORKLOADS]
+    """The program rows with their counts at ``scale`` (F1-F3: 100,000 rows at the least,
+    enough to be data, not a message's fixed costs)."""
+    plan = []
+    for w in START_WORKLOADS:
+        w = dict(w, n=scaled(w["n"], scale, minimum=3 if w["kind"] == "import" else 2))
+        if w["kind"] == "frame":
+            w["rows"] = scaled(FRAME_ROWS, scale, minimum=100_000)
+        plan.append(w)
+    return plan
 
 
 def _fmt_size(n):

@@ -2,6 +2,7 @@
 import math
 
 from .plan import COLORS, METRIC_UNITS, START_TARGETS, SYSTEMS, TARGETS
+from .start import figure
 
 
 def fmt_num(v):
@@ -88,7 +89,7 @@ def check_targets(report):
 
 
 def check_start_targets(report):
-    """The targets of the process-start rows: sharedmp's time over its baseline's, at most."""
+    """The targets of the program rows: sharedmp's time over its baseline's, at most."""
     ratios = (report.get("start") or {}).get("ratios", {})
     out = []
     for wid, factor, text in START_TARGETS:
@@ -107,27 +108,71 @@ def _start_cell(w, res):
     if w["kind"] == "import":
         heavy = f", with {' '.join(res['heavy'])}" if res.get("heavy") else ""
         return f"{fmt_num(res['ms'])} ({res['modules']} modules{heavy})"
-    return fmt_num(res["seconds"])
+    return fmt_num(res[figure(w)])
+
+
+def _start_label(w, res):
+    """The first column of program row ``w``; a skipped row says why."""
+    if w["kind"] == "import":
+        label = f"{w['id']} {w['title']}, median of {w['n']}"
+    elif w["kind"] == "frame":
+        size = next((r["bytes"] for r in res.values() if r.get("status") == "ok"), None)
+        label = f"{w['id']} {w['title']}, {w['rows']:,} rows" + \
+            (f" ({size / 1e6:.0f} MB)" if size else "")
+    else:
+        label = f"{w['id']} {w['n']:,} x {w['title']}"
+    skipped = [r.get("error") for r in res.values() if r.get("status") == "n/a"]
+    return label + (f" [n/a: {skipped[0]}]" if skipped else "")
+
+
+def _runs(n):
+    return f"{n} run{'s' if n != 1 else ''}"
+
+
+def _start_notes(section, ws):
+    return ["S1: the import statement in a fresh `python -c`; S2-S6: a fresh script per run, "
+            f"timed from its first round to its last, best of {_runs(section['runs'])};",
+            "    smp/base time: sharedmp's time over the standard library's (S1-S4) or loky's "
+            "(S5-S6): lower is better"]
+
+
+def _frame_notes(section, ws):
+    return ["F1-F3: one message through a spawn Queue to a child that reads its last row (a "
+            "value of each column) and answers;",
+            "    8 float64 columns + 1 string column; ms from put() to the answer, best of "
+            f"{ws[0]['n']} messages x {_runs(section['runs'])} (each a fresh script, a warm-up "
+            "message first);",
+            "    smp/stdlib time: sharedmp's time over the standard library's (which pickles the "
+            "Arrow buffers by value): lower is better"]
+
+
+# The tables of the program rows: (title, its rows' kinds, its systems, ratio title, notes)
+START_TABLES = [
+    ("process start", ("import", "pool", "joblib"), ("sharedmp", "stdlib", "loky"),
+     "smp/base time", _start_notes),
+    ("data frames, one message", ("frame",), ("sharedmp", "stdlib"), "smp/stdlib time",
+     _frame_notes),
+]
 
 
 def format_start(report):
-    """The process-start rows: a table of their own (times: lower is better)."""
+    """The program rows: a table for process start, one for data frames (times: lower is
+    better); a table none of whose rows ran is left out."""
     section = report["start"]
-    rows = []
-    for w in section["workloads"]:
-        res = section["results"][w["id"]]
-        label = f"{w['id']} {w['title']}, median of {w['n']}" if w["kind"] == "import" else \
-            f"{w['id']} {w['n']:,} x {w['title']}"
-        rows.append([label, w["unit"]] + [_start_cell(w, res.get(s))
-                                          for s in ("sharedmp", "stdlib", "loky")]
-                    + [_fmt_ratio(section["ratios"].get(w["id"]))])
-    head = ["process start", "unit", "sharedmp", "stdlib", "loky", "smp/base time"]
-    runs = section["runs"]
-    return "\n".join(_aligned(head, rows) + [
-        "", f"S1: the import statement in a fresh `python -c`; S2-S6: a fresh script per run, "
-        f"timed from its first round to its last, best of {runs} run{'s' if runs != 1 else ''};",
-        "    smp/base time: sharedmp's time over the standard library's (S1-S4) or loky's "
-        "(S5-S6): lower is better"])
+    lines = []
+    for title, kinds, systems, ratio, notes in START_TABLES:
+        ws = [w for w in section["workloads"] if w["kind"] in kinds]
+        if not ws:
+            continue
+        rows = []
+        for w in ws:
+            res = section["results"][w["id"]]
+            rows.append([_start_label(w, res), w["unit"]]
+                        + [_start_cell(w, res.get(s)) for s in systems]
+                        + [_fmt_ratio(section["ratios"].get(w["id"]))])
+        lines += ([""] if lines else []) + _aligned([title, "unit", *systems, ratio], rows) \
+            + [""] + notes(section, ws)
+    return "\n".join(lines)
 
 
 def _cell(res, metric):
@@ -239,7 +284,7 @@ def format_header(report):
     mode = "quick" if report["quick"] else ("full" if report["scale"] == 1 else "scaled")
     how = (f"best of {report['rounds']} timed round{'s' if report['rounds'] != 1 else ''}, "
            f"spawn, fresh processes per {report['isolation']}" if report["workloads"]
-           else "process-start rows only")
+           else "program rows only")
     return (f"sharedmp bench ({mode}: scale {report['scale']:g}, {how})\n"
             f"{m.get('cpu', m['machine'])}, {m.get('cpus_usable', m['cpus'])} CPUs, "
             f"{m.get('memory_gib', '?')} GiB; Python {v['python']}, numpy {v['numpy']}, "

@@ -1,5 +1,6 @@
-"""The process-start rows of ``python -m sharedmp bench`` (S1-S6): what starting processes
-costs with sharedmp, against the standard library (and joblib's loky), in the same run.
+"""The program rows of ``python -m sharedmp bench``, each figure from fresh programs, against
+the standard library (or joblib's loky) in the same run: what starting processes costs with
+sharedmp (S1-S6), and what sending a table or data frame does (F1-F3).
 
 S1     ``import sharedmp`` against ``import multiprocessing``: milliseconds of the import
        statement in a fresh ``python -c`` (interpreter start excluded), the median of
@@ -12,12 +13,19 @@ S5     ``joblib.Parallel(n_jobs=2)`` calls of 10 ``delayed(abs)`` tasks: backend
 S6     ``Parallel(n_jobs=2)`` calls that each pass a fresh 64 MiB torch tensor to 2 tasks
        returning its sum: "sharedmp" (the tensor moves into shared memory once) against
        loky (which pickles it by value into each task).
+F1-F3  one message through a spawn ``Queue`` to a child that reads its last row (a value of
+       each column) and answers: a ``pyarrow.Table`` of 8 float64 columns and 1 string
+       column (1,000,000 rows, about 80 MB), the same as a pandas DataFrame
+       (``table.to_pandas()``: pandas 3 keeps the strings in Arrow) and as a Polars
+       DataFrame. Milliseconds from ``put()`` to the answer, the best of the messages of
+       the runs, each run's first message (the child's imports) untimed. sharedmp sends the
+       Arrow buffers out of band, through shared memory; the standard library pickles them.
 
-Each figure of S2-S6 is one run of a small script, a fresh interpreter that imports its
-library at its top as a user's script does (forkserver preloads ``__main__``, and each run
-gets a forkserver of its own), timed inside from its first round to its last; the best of
-the runs. The scripts are written to a temporary directory (``scripts``) and run by the
-driver; they print one result line each (``worker.MARK``).
+Each figure of S2-S6 and F1-F3 comes from runs of a small script, a fresh interpreter that
+imports its library at its top as a user's script does (forkserver preloads ``__main__``,
+and each run gets a forkserver of its own), timed inside (S2-S6 from its first round to its
+last); the best of the runs. The scripts are written to a temporary directory
+(``scripts``) and run by the driver; they print one result line each (``worker.MARK``).
 """
 import os
 import statistics
@@ -105,10 +113,103 @@ if __name__ == "__main__":
 """
 
 
+FRAME_SCRIPT = """\
+import {module} as mp       # the system measured (the stdlib run never imports sharedmp)
+import json
+import queue
+import sys
+import time
+
+WAIT = 30                   # seconds: the most any get() or join() waits
+
+
+def make(kind, rows):
+    \"\"\"The data: 8 float64 columns and 1 string column; (the Arrow table, what is sent).\"\"\"
+    import numpy as np
+    import pyarrow as pa
+    rng = np.random.default_rng(0)
+    columns = dict(("f%d" % i, rng.standard_normal(rows)) for i in range(8))
+    columns["s"] = pa.array(["row-%d" % i for i in range(rows)])
+    table = pa.table(columns)
+    if kind == "pandas":
+        return table, table.to_pandas()   # pandas 3: the string column stays in Arrow
+    if kind == "polars":
+        import polars
+        return table, polars.from_arrow(table)
+    return table, table
+
+
+def last_row(kind, data):
+    \"\"\"The last row, a value of each column: the whole message has arrived and is read.\"\"\"
+    if kind == "pandas":
+        return [data[c].iloc[-1] for c in data.columns]
+    if kind == "polars":
+        return list(data.row(-1))
+    return [c[data.num_rows - 1].as_py() for c in data.columns]
+
+
+def child(kind, inbox, outbox):
+    while True:
+        data = inbox.get(timeout=WAIT)
+        if data is None:
+            return
+        row = last_row(kind, data)
+        del data                # let go of the message before answering: part of its cost
+        outbox.put(row)
+
+
+def answer(outbox, child_proc):
+    \"\"\"The child's answer; an error that says why if it dies or is silent for WAIT s.\"\"\"
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            return outbox.get(timeout=0.2)   # returns as soon as the answer is there
+        except queue.Empty:
+            if not child_proc.is_alive():
+                raise SystemExit("the child exited with code %s" % child_proc.exitcode)
+    raise SystemExit("no answer from the child in %d s" % WAIT)
+
+
+def main(kind, rows, messages):
+    table, data = make(kind, rows)
+    expected = last_row("arrow", table)
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child_proc = ctx.Process(target=child, args=(kind, inbox, outbox), daemon=True)
+    child_proc.start()
+    try:
+        times = []
+        for _ in range(1 + messages):      # the first warms up (the child's imports): untimed
+            t0 = time.perf_counter()
+            inbox.put(data)
+            row = answer(outbox, child_proc)
+            times.append(time.perf_counter() - t0)
+            if row != expected:
+                raise SystemExit("the child read %r, not %r" % (row, expected))
+        inbox.put(None)
+        child_proc.join(WAIT)
+        if child_proc.exitcode != 0:
+            raise SystemExit("the child did not end cleanly: exit code %s" % child_proc.exitcode)
+    finally:
+        if child_proc.exitcode != 0:       # a failure above: end the child (None: alive), and
+            child_proc.kill()              # do not wait at exit to write a message nobody reads
+            child_proc.join(WAIT)
+            inbox.cancel_join_thread()
+    print({mark!r} + json.dumps({{"ms": min(times[1:]) * 1e3, "n": messages,
+                                  "bytes": table.nbytes}}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+"""
+
+
 def scripts(directory):
     """Write the scripts into ``directory``; {name: path}."""
-    texts = {f"pool_{m}.py": POOL_SCRIPT.format(module=m, mark=MARK)
-             for m in ("sharedmp", "multiprocessing")}
+    texts = {}
+    for m in ("sharedmp", "multiprocessing"):
+        texts[f"pool_{m}.py"] = POOL_SCRIPT.format(module=m, mark=MARK)
+        texts[f"frames_{m}.py"] = FRAME_SCRIPT.format(module=m, mark=MARK)
     # The loky script never imports sharedmp: loky runs as it does without it.
     for backend, line in (("sharedmp", "import sharedmp.joblib  # registers the backend"),
                           ("loky", "")):
@@ -124,12 +225,13 @@ def scripts(directory):
 
 def commands(w, system, paths, python):
     """The command line of one run of workload ``w`` for ``system``."""
+    module = "sharedmp" if system == "sharedmp" else "multiprocessing"   # S5-S6: below
     if w["kind"] == "import":
-        module = "sharedmp" if system == "sharedmp" else "multiprocessing"
         return [python, "-c", IMPORT_CODE.format(module=module)]
     if w["kind"] == "pool":
-        module = "sharedmp" if system == "sharedmp" else "multiprocessing"
         return [python, paths[f"pool_{module}.py"], w["method"], str(w["n"])]
+    if w["kind"] == "frame":
+        return [python, paths[f"frames_{module}.py"], w["frame"], str(w["rows"]), str(w["n"])]
     return [python, paths[f"joblib_{system}.py"], w["calls"], system, str(w["n"])]
 
 
@@ -146,20 +248,28 @@ def parse(w, out):
     return found[-1] if found else None
 
 
+def figure(w):
+    """The key of row ``w``'s figure in its results: "ms" or "seconds", as its unit."""
+    return "ms" if w["unit"] == "ms" else "seconds"
+
+
 def summary(w, runs):
     """One system's result from its runs' figures: S1 the median, the others the best."""
     if w["kind"] == "import":
         ms = statistics.median(r["ms"] for r in runs)
         return {"status": "ok", "ms": ms, "modules": runs[-1]["modules"],
                 "heavy": runs[-1]["heavy"], "runs_ms": [r["ms"] for r in runs], "n": len(runs)}
+    if w["kind"] == "frame":
+        return {"status": "ok", "ms": min(r["ms"] for r in runs), "n": w["n"],
+                "bytes": runs[-1]["bytes"], "runs_ms": [r["ms"] for r in runs]}
     seconds = min(r["seconds"] for r in runs)
     return {"status": "ok", "seconds": seconds, "n": w["n"],
             "runs_s": [r["seconds"] for r in runs]}
 
 
 def missing(w):
-    """Why workload ``w`` cannot run here (a module it needs is not installed), or None."""
+    """Why workload ``w`` cannot run here (a module of its ``needs`` is not installed), or
+    None. Asked before its programs run, so a skipped row costs nothing and says why."""
     import importlib.util
-    needs = {"joblib": ["joblib"], "tensors": ["joblib", "torch"]}.get(w.get("calls"), [])
-    absent = [m for m in needs if importlib.util.find_spec(m) is None]
+    absent = [m for m in w.get("needs", []) if importlib.util.find_spec(m) is None]
     return f"needs {', '.join(absent)}" if absent else None
