@@ -6,6 +6,12 @@ Prints one ``PASS``/``FAIL``/``SKIP`` line per check with its figures, then the 
 bench rows. Every check runs in spawned processes with timeouts; a check that hangs
 is killed and reported FAIL. Results are appended to ``--json`` as they come, so a
 killed run keeps what it had. Exit status 1 if any check failed.
+
+The ``es_*`` checks run the same checks again with torch's expandable segments
+(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: VMM memory, carried as POSIX fds in
+the message), each in a fresh process started with that environment (its spawned children
+inherit it); ``es_nondumpable_sender``: a sender that made itself non-dumpable
+(``prctl(PR_SET_DUMPABLE, 0)``), which denies torch's ``pidfd_getfd``, not sharedmp's fds.
 """
 import argparse
 import json
@@ -13,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -20,6 +27,37 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 T = 60                                    # seconds for any get/join in a check
+EXPANDABLE = "expandable_segments:True"
+MARK = "@@gpu_check@@ "                   # a --one run's result line
+
+
+def _with_expandable(conf):
+    """PYTORCH_CUDA_ALLOC_CONF ``conf`` (or None) with expandable segments on."""
+    parts = [p for p in (conf or "").split(",")
+             if p.strip() and not p.strip().startswith("expandable_segments")]
+    return ",".join(parts + [EXPANDABLE])
+
+
+def _es_env():
+    """This process's environment with expandable segments on, for a child process."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                PYTORCH_CUDA_ALLOC_CONF=_with_expandable(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+
+
+def _va_range(ptr):
+    """(start, size) of the virtual address range holding ``ptr`` (for VMM memory: the
+    cuMemAddressReserve range, not only what is mapped), or None. Torch's context current."""
+    try:
+        from sharedmp.cuda import driver
+        cu = driver._cu
+        attr = cu.CUpointer_attribute
+        e1, start = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)
+        e2, size = cu.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr)
+        if e1 != cu.CUresult.CUDA_SUCCESS or e2 != cu.CUresult.CUDA_SUCCESS:
+            return None
+        return int(start), int(size)
+    except Exception:
+        return None
 
 
 # ---------------------------------------------------------------------------- child targets
@@ -32,7 +70,8 @@ def _roundtrip_child(q_in, q_out):
             if x.numel() and x.dtype != torch.bool and x.is_contiguous():
                 x.view(-1)[0:1].fill_(7)
     torch.cuda.synchronize()
-    q_out.put([x.data_ptr() for x in xs] + [xs[0].untyped_storage().data_ptr()])
+    q_out.put([x.data_ptr() for x in xs] + [xs[0].untyped_storage().data_ptr(),
+                                            _va_range(xs[0].data_ptr())])
     q_out.put(xs[0])                       # sent back: the sender's own storage
     q_in.get(timeout=T)
 
@@ -132,12 +171,31 @@ def check_torch_roundtrip(r):
         r["child_ptrs_differ"] = ptrs[0] != base.data_ptr()
         r["write_seen"] = float(base[0, 0]) == 7.0 and float(xs[2][0]) == 7.0
         r["back_same_storage"] = back.untyped_storage() is base.untyped_storage()
+        vmm = _vmm_reserve(r, base, ptrs[-1])
         q_in.put("done")
         p.join(T)
-        return r["write_seen"] and r["back_same_storage"] and p.exitcode == 0
+        return (r["write_seen"] and r["back_same_storage"] and p.exitcode == 0
+                and vmm is not False)
     finally:
         if p.is_alive():
             p.kill()
+
+
+def _vmm_reserve(r, t, child_range):
+    """For VMM memory: the receiver's reserved range for ``t`` must be no larger than the
+    allocations (torch's 2 MiB / 20 MiB pages) under it, not the sender's whole reservation
+    (about the GPU's memory for torch, which torch's own import reserves). None (not VMM
+    memory), else whether it held."""
+    from sharedmp.cuda import driver
+    d = driver.get()
+    if d.memory_kind(0, t.data_ptr()) != "vmm":
+        return None
+    chunks = d.vmm_chunks(0, t.data_ptr(), t.untyped_storage().nbytes())
+    r["sender_chunks"] = [size for _, size, _ in chunks]
+    r["sender_reserved"] = (_va_range(t.data_ptr()) or (0, None))[1]
+    r["receiver_reserved"] = child_range[1] if child_range else None
+    return r["receiver_reserved"] is not None and \
+        r["receiver_reserved"] <= sum(r["sender_chunks"])
 
 
 def check_cupy_roundtrip(r):
@@ -174,7 +232,10 @@ def check_one_block_mixed(r):
     dtypes = [torch.float32, torch.int64, torch.float16, torch.uint8]
     ts = [torch.full((17 + i,), i, dtype=dtypes[i % 4], device="cuda") for i in range(64)]
     d = driver.get()
-    bases = {d.export(0, t.data_ptr())[0] for t in ts}
+    if d.memory_kind(0, ts[0].data_ptr()) == "vmm":   # (expandable segments) its pages
+        bases = {key for t in ts for _, _, key in d.vmm_chunks(0, t.data_ptr(), t.nbytes)}
+    else:
+        bases = {d.export(0, t.data_ptr())[0] for t in ts}
     r["blocks"] = len(bases)
     p = ctx.Process(target=_chain_end, args=(q_in, q_out, 1))
     p.start()
@@ -386,27 +447,231 @@ def check_cuda_ipc_deadlock(r):
                 p.kill()
 
 
+_NONDUMPABLE_CODE = """
+import ctypes, sys, torch
+
+def sender(q, done, lib):
+    if lib == "sharedmp":
+        import sharedmp  # noqa: F401
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.prctl(4, 0, 0, 0, 0)                 # PR_SET_DUMPABLE, 0
+    t = torch.full((1 << 20,), 3.0, device="cuda")
+    expandable = any(s.get("is_expandable") for s in torch.cuda.memory_snapshot())
+    kind = None
+    if lib == "sharedmp":
+        from sharedmp.cuda import driver
+        kind = driver.get().memory_kind(0, t.data_ptr())
+    dumpable = libc.prctl(3, 0, 0, 0, 0)           # PR_GET_DUMPABLE
+    q.put((rc, dumpable, expandable, kind))
+    q.put(t)
+    done.wait(60)
+
+def cap_sys_ptrace():
+    for line in open("/proc/thread-self/status"):
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 19 & 1)
+
+def drop_cap_sys_ptrace():
+    # root has CAP_SYS_PTRACE, which lets pidfd_getfd past a non-dumpable process; containers
+    # (docker's default) do not: drop it from this thread's effective set to be like them
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        return "capget failed"
+    data[0].effective &= ~(1 << 19)
+    return "dropped" if libc.capset(ctypes.byref(header), data) == 0 else "capset failed"
+
+if __name__ == "__main__":
+    LIB = sys.argv[1]
+    if LIB == "torch":
+        import torch.multiprocessing as mp
+    else:
+        import sharedmp as mp
+    torch.zeros(1, device="cuda")
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=sender, args=(q, done, LIB))
+    p.start()
+    had = cap_sys_ptrace()
+    dropped = drop_cap_sys_ptrace() if had else "not held"
+    print("receiver CAP_SYS_PTRACE:", had, "->", dropped, cap_sys_ptrace(), flush=True)
+    rc, dumpable, expandable, kind = q.get(timeout=60)
+    print("sender prctl rc", rc, "dumpable", dumpable, "expandable segment", expandable,
+          "memory kind", kind, flush=True)
+    try:
+        t = q.get(timeout=60)
+        print("RESULT received, sum", float(t.sum()), flush=True)
+        del t
+    except Exception as e:
+        print("RESULT raised", type(e).__name__ + ":", str(e)[:300], flush=True)
+    done.set()
+    p.join(60)
+"""
+
+
+def check_nondumpable_sender(r):
+    """A non-dumpable sender (prctl(PR_SET_DUMPABLE, 0)) sends an expandable-segments tensor:
+    sharedmp's receive must work (fds in the message); torch's outcome (pidfd_getfd) is
+    reported only."""
+    env = _es_env()
+    ok = False
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "nondumpable.py")   # a file: spawn re-imports its main
+        with open(script, "w") as f:
+            f.write(_NONDUMPABLE_CODE)
+        for lib in ("sharedmp", "torch"):
+            try:
+                out = subprocess.run([sys.executable, script, lib], capture_output=True,
+                                     text=True, timeout=T * 2, env=env)
+                text = out.stdout.strip()
+                if "RESULT" not in text:
+                    text += " | stderr: " + out.stderr.strip()[-400:]
+            except subprocess.TimeoutExpired as e:
+                text = f"timed out: {(e.stdout or b'')[-300:]!r}"
+            r[lib] = text[-800:]
+            if lib == "sharedmp":
+                ok = ("RESULT received, sum 3145728.0" in text and "dumpable 0" in text
+                      and "memory kind vmm" in text)
+    return ok
+
+
+def check_vmm_driver(r):
+    """(with expandable segments) The driver's VMM calls alone, in this process: the chunks
+    under a tensor that spans torch's pages (and what cuMemGetAddressRange answers there), an
+    export imported and mapped again here (same bytes, a range of the chunks' size only),
+    unmapped; and whether a chunk's key changes when torch frees its page and maps a new one
+    at the same place (else the export caches would hand out the old memory)."""
+    import ctypes
+
+    import torch
+    from sharedmp.cuda import driver
+    d, cu = driver.get(), driver._cu
+    probe = torch.ones(1, device="cuda")
+    if d.memory_kind(0, probe.data_ptr()) != "vmm":
+        r["skip"] = "not VMM memory"
+        return False
+    n = 24 << 20                                        # spans two of the 20 MiB pages
+    t = torch.arange(n // 4, dtype=torch.float32, device="cuda")
+    ptr = t.data_ptr()
+    chunks = d.vmm_chunks(0, ptr, n)
+    r["chunks"] = [(b - chunks[0][0], s) for b, s, _ in chunks]
+    e, base, size = cu.cuMemGetAddressRange(ptr)
+    r["cuMemGetAddressRange"] = (str(e), int(base) - chunks[0][0], int(size))
+    r["reservation"] = _va_range(ptr)[1] if _va_range(ptr) else None
+    covered = chunks[0][0] <= ptr and ptr + n <= chunks[-1][0] + chunks[-1][1] and all(
+        a[0] + a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+    fds = [d.vmm_export(0, b) for b, _, _ in chunks]
+    try:
+        r["fds_cloexec"] = all(os.get_inheritable(fd) is False for fd in fds)
+        mapped = d.vmm_import(0, [(fd, s) for fd, (_, s, _) in zip(fds, chunks)])
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        torch.cuda.synchronize()
+        got = (ctypes.c_float * 4)()
+        off = ptr - chunks[0][0] + n - 16            # the tensor's last 4 floats
+        e = cu.cuMemcpyDtoH(ctypes.addressof(got), mapped + off, 16)[0]
+        r["read_back"] = (str(e), list(got))
+        read_ok = list(got) == [float(n // 4 - 4 + i) for i in range(4)]
+        r["import_reserved"] = _va_range(mapped)[1] if _va_range(mapped) else None
+    finally:
+        d.vmm_unmap(0, mapped, sum(s for _, s, _ in chunks))
+    keys = [k for _, _, k in chunks]
+    del t
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()                          # torch unmaps and releases its pages
+    t2 = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    again = d.vmm_chunks(0, t2.data_ptr(), n)
+    r["same_place_again"] = t2.data_ptr() == ptr
+    r["handle_value_reused"] = bool({k & (2 ** 64 - 1) for k in keys}
+                                    & {k & (2 ** 64 - 1) for _, _, k in again})
+    r["key_reused"] = bool(set(keys) & {k for _, _, k in again})
+    return (covered and read_ok and r["fds_cloexec"] and not r["key_reused"]
+            and r["import_reserved"] == sum(s for _, s, _ in chunks))
+
+
+def check_expandable(r, name, quick):
+    """The check ``name`` again in a fresh process with expandable segments on (its spawned
+    children inherit the environment); the memory must really be VMM there."""
+    env = _es_env()
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name]
+    cmd += ["--quick"] if quick else []
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=T * 3, env=env)
+    except subprocess.TimeoutExpired as e:
+        r["error"] = f"timed out after {T * 3} s: {(e.stderr or b'')[-500:]!r}"
+        return False
+    got = [json.loads(line[len(MARK):]) for line in out.stdout.splitlines()
+           if line.startswith(MARK)]
+    if not got:
+        r["error"] = (out.stderr.strip() or out.stdout.strip())[-1500:]
+        return False
+    r.update(got[-1]["r"])
+    return got[-1]["ok"] and r.get("memory_kind") == "vmm"
+
+
+def run_one(name, quick):
+    """(--one) Run the check ``name`` here, print its result after MARK."""
+    import torch
+    from sharedmp.cuda import driver
+    r = {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    try:
+        probe = torch.ones(1 << 18, device="cuda")             # 1 MiB
+        r["memory_kind"] = driver.get().memory_kind(0, probe.data_ptr())
+        del probe
+        ok = dict(_checks(quick), vmm_driver=check_vmm_driver)[name](r)
+    except Exception:
+        ok, r["error"] = False, traceback.format_exc()[-1500:]
+    print(MARK + json.dumps({"ok": ok, "r": r}, default=str), flush=True)
+    return 0 if ok else 1
+
+
 def check_bench(r, quick):
     from sharedmp.cli.bench import cuda as bench_cuda
     rep = bench_cuda.run(quick, timeout=120)
     r["table"] = bench_cuda.format_rows(rep)
     r.update(rep)
-    return "rows" in rep and all("msgs" in s for row in rep["rows"].values() for s in row.values())
+    if "rows" not in rep:
+        return False
+    # torch's rows with expandable segments (pidfd_getfd) are reported, not required
+    return all("msgs" in s for wid, row in rep["rows"].items() for system, s in row.items()
+               if system == "sharedmp" or not wid.endswith("e"))
+
+
+def _checks(quick):
+    """{name: check(r)} in the order they run."""
+    checks = {"env": check_env, "torch_roundtrip": check_torch_roundtrip,
+              "cupy_roundtrip": check_cupy_roundtrip, "one_block_mixed": check_one_block_mixed,
+              "chain_of_three": lambda r: check_chain_many(r, 1000 if quick else 10000),
+              "event_order": check_event_order, "sender_exits": check_sender_exits,
+              "cuda_ipc_deadlock": check_cuda_ipc_deadlock, "fork": check_fork,
+              "vmm_driver": check_vmm_driver}
+    for name in ("vmm_driver", "torch_roundtrip", "one_block_mixed", "chain_of_three",
+                 "event_order"):
+        checks["es_" + name] = lambda r, name=name: check_expandable(r, name, quick)
+    del checks["vmm_driver"]                          # (only with expandable segments)
+    checks["es_nondumpable_sender"] = check_nondumpable_sender
+    checks["bench"] = lambda r: check_bench(r, quick)
+    return checks
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1,000 tensors in the chain, small bench")
     ap.add_argument("--json", default=None, help="append one JSON line per check to this file")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # (check_expandable)
     args = ap.parse_args()
-    checks = [("env", check_env), ("torch_roundtrip", check_torch_roundtrip),
-              ("cupy_roundtrip", check_cupy_roundtrip), ("one_block_mixed", check_one_block_mixed),
-              ("chain_of_three", lambda r: check_chain_many(r, 1000 if args.quick else 10000)),
-              ("event_order", check_event_order), ("sender_exits", check_sender_exits),
-              ("cuda_ipc_deadlock", check_cuda_ipc_deadlock), ("fork", check_fork),
-              ("bench", lambda r: check_bench(r, args.quick))]
+    if args.one:
+        return run_one(args.one, args.quick)
+    checks = _checks(args.quick)
     failed = False
-    for name, fn in checks:
+    for name, fn in checks.items():
         r, t0 = {}, time.monotonic()
         try:
             ok = fn(r)

@@ -26,6 +26,11 @@ from _workers import TIMEOUT, _guard
 MiB = 1 << 20
 UUID0 = b"GPU-fake-uuid-0\x00"
 STREAM = 7
+# Fake device addresses: legacy (cudaMalloc) memory below MANAGED, managed memory (neither
+# kind can carry it) below VMM, VMM memory (expandable segments) in 2 MiB chunks above.
+MANAGED = 0x4000_0000_0000
+VMM = 0x5000_0000_0000
+CHUNK = 2 * MiB
 
 
 class FakeDriver:
@@ -35,7 +40,8 @@ class FakeDriver:
     # The methods that call the driver in the real Driver (the others read what it cached).
     DRIVER_CALLS = frozenset({"buffer_id", "export", "new_event", "record", "sync_stream",
                               "destroy_event", "open", "close", "open_event", "wait",
-                              "close_event", "mark", "finish"})
+                              "close_event", "mark", "finish", "memory_kind", "vmm_chunks",
+                              "vmm_export", "vmm_import", "vmm_unmap"})
 
     def __getattribute__(self, name):
         if name in FakeDriver.DRIVER_CALLS:
@@ -50,9 +56,48 @@ class FakeDriver:
         self.syncs = 0
         self.waits = 0
         self.open_handles = {}    # handle -> ptr (open now)
+        self.imported = []        # VMM chunks imported (the base each fd stood for)
+        self.vmm_mapped = {}      # VMM ranges mapped now: ptr -> size
         self.opens = 0
         self.closes = 0
         self._next = 0x7F00_0000_0000
+
+    # -- VMM memory: real fds (memfds naming the chunk they stand for) travel in the messages
+
+    def memory_kind(self, ordinal, ptr):
+        from sharedmp.cuda.driver import CudaError
+        if ptr >= VMM:
+            return "vmm"
+        if ptr >= MANAGED:
+            raise CudaError("this CUDA memory is managed memory, which CUDA cannot share "
+                            "between processes: allocate it with cudaMalloc / torch's default "
+                            "allocator, not managed memory")
+        return "legacy"
+
+    def vmm_chunks(self, ordinal, ptr, nbytes):
+        first = ptr - (ptr - VMM) % CHUNK
+        return [(base, CHUNK, base // CHUNK) for base in range(first, ptr + nbytes, CHUNK)]
+
+    def vmm_export(self, ordinal, base):
+        fd = os.memfd_create(f"fake-vmm-{base:x}", os.MFD_CLOEXEC)
+        os.write(fd, struct.pack("<qQ", os.getpid(), base))
+        return fd
+
+    def vmm_import(self, ordinal, chunks):
+        """Check that each fd is the chunk it claims (its memfd says which), as the driver
+        would refuse an fd that is no allocation; a fake address for the range."""
+        for fd, size in chunks:
+            pid, base = struct.unpack("<qQ", os.pread(fd, 16, 0))
+            if size != CHUNK or base % CHUNK:
+                raise RuntimeError(f"cuMemImportFromShareableHandle: fd {fd} is not a chunk")
+            self.imported.append(base)
+        self._next += 64 * MiB
+        self.vmm_mapped[self._next] = sum(size for _, size in chunks)
+        return self._next
+
+    def vmm_unmap(self, ordinal, ptr, size):
+        if self.vmm_mapped.pop(ptr, None) != size:
+            raise RuntimeError("cuMemUnmap of a range that is not mapped")
 
     def device_uuid(self, ordinal):
         return UUID0[:-1] + bytes([ordinal])
@@ -359,14 +404,14 @@ def take_late(conn, q, delay):
 # Driver calls per message in steady state: a ping-pong, so that each message is counted
 # alone, over one block that the sender hands out again and again (as a caching allocator
 # does) and events that come back to its pool once released.
-def steady_sender(conn, q, acks, n, per_msg):
+def steady_sender(conn, q, acks, n, per_msg, base=5 * MiB):
     def run():
         driver = install()
         server = ipc.exporter().server
         counts = []
         for i in range(n):
             before = collections.Counter(driver.calls)
-            q.put([DevArray(5 * MiB + (i % 8) * 8192 + k * 64, 64) for k in range(per_msg)])
+            q.put([DevArray(base + (i % 8) * 8192 + k * 64, 64) for k in range(per_msg)])
             counts.append(dict(driver.calls - before))
             if acks.get(timeout=TIMEOUT) != i or not wait_until(lambda: not server.outstanding()):
                 raise RuntimeError(f"message {i} was not released")
@@ -418,4 +463,91 @@ def idle_blocks(conn, q, keep):
         info["let_go_when_idle"] = wait_until(lambda: imp.held() == (0, 0))
         info["closes"] = driver.closes
         return info
+    _guard(conn, run)
+
+
+# -- VMM memory (expandable segments): fds in the messages ---------------------------------
+
+def vmm_fds():
+    """How many fds of this process are the stand-in's VMM exports (or dups of them)."""
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:fake-vmm-")
+        except OSError:
+            pass
+    return n
+
+
+def vmm_arrays():
+    """a over chunks 0 and 1, b in chunk 2 (VMM); c legacy memory, in the same message."""
+    return [DevArray(VMM + 1 * MiB, 2 * MiB), DevArray(VMM + 4 * MiB + 64, 1024),
+            DevArray(9 * MiB, 2048)]
+
+
+def vmm_sender(conn, q, go, received=None):
+    """Send vmm_arrays(); report the fds kept; once ``go``: wait for the releases and report
+    the fds left after the cache let go. ``received`` (an Event): SIGKILL ourselves once the
+    receiver has the arrays."""
+    def run():
+        install()
+        q.put(vmm_arrays())
+        info = {"fds_while_sent": vmm_fds()}
+        if received is not None:
+            _wait(received, "hear that the arrays arrived")
+            conn.send(("sent", info))
+            os.kill(os.getpid(), signal.SIGKILL)
+        _wait(go, "get go")
+        info["released"] = wait_until(lambda: not ipc.exporter().server.outstanding())
+        mp.empty_cache()
+        info["fds_left"] = vmm_fds()
+        return info
+    _guard(conn, run)
+
+
+def vmm_receiver(conn, q, hold=False, received=None, after_sender_died=None):
+    """Get vmm_arrays(): report what arrived; hold them (to be killed) or let go and report
+    the fds and mappings left."""
+    def run():
+        driver = install()
+        got = q.get(timeout=TIMEOUT)
+        if received is not None:
+            received.set()
+        info = {"kinds": [type(x.holder.descriptor).__name__ for x in got],
+                "imported": sorted(b - VMM for b in driver.imported),
+                "vmm_fds_held": vmm_fds(), "mapped": sorted(driver.vmm_mapped.values())}
+        if hold:
+            conn.send(("holding", info))
+            time.sleep(TIMEOUT)                       # killed by the test
+        if after_sender_died is not None:
+            _wait(after_sender_died, "hear that the sender died")
+        del got
+        imp = ipc.importer()
+        info["unmapped"] = wait_until(lambda: not imp.mappings())
+        mp.empty_cache()
+        info["fds_left"] = vmm_fds()
+        info["mapped_left"] = len(driver.vmm_mapped)
+        return info
+    _guard(conn, run)
+
+
+def vmm_refusals(conn):
+    """What put() says of memory neither kind carries, and of VMM memory outside a channel."""
+    def run():
+        import pickle
+        install()
+        out = {}
+        assert ipc.exporter()                         # (its lease server: started before)
+        try:
+            mp.SimpleQueue().put(DevArray(MANAGED + MiB, 64))
+        except Exception as e:
+            out["managed"] = f"{type(e).__name__}: {e}"
+        try:
+            ForkingPickler.dumps(DevArray(VMM, 64))   # as a standard-library pipe does
+        except Exception as e:
+            out["outside"] = f"{type(e).__name__}: {e}"
+        out["legacy_outside"] = type(pickle.loads(ForkingPickler.dumps(DevArray(7 * MiB, 64))))
+        out["legacy_outside"] = out["legacy_outside"].__name__
+        out["fds_left"] = vmm_fds()
+        return out
     _guard(conn, run)

@@ -72,7 +72,8 @@ def test_descriptor_round_trip():
 @pytest.mark.parametrize("wire, words", [
     ("not a tuple", "must be a tuple"),
     ((2, ipc.KIND) + descriptor().encode()[2:], "same sharedmp version"),
-    ((1, "vmm-fd") + descriptor().encode()[2:], "same sharedmp version"),
+    ((1, "vmm-dmabuf") + descriptor().encode()[2:], "same sharedmp version"),
+    ((1, "vmm-fd") + descriptor().encode()[2:], "has 10 fields, got 11"),
     (descriptor().encode()[:-1], "fields"),
     (descriptor(handle=b"h" * 63).encode(), "handle must be 64 bytes"),
     (descriptor(token="t" * 16).encode(), "token must be 16 bytes"),
@@ -295,6 +296,152 @@ def test_a_sender_that_returns_at_once_still_delivers_to_a_late_receiver():
                 p.kill()
 
 
+# -- VMM memory (expandable segments): fds in the message -----------------------------------
+
+def vmm_descriptor(**kw):
+    fields = dict(owner_pid=123, owner=b"o" * 16, lease=b"\0sharedmp-cuda-123-abc", token=b"t" * 16,
+                  uuid=b"u" * 16, ordinal=0, chunks=((7, 2 << 20, 0), (8, 2 << 20, 1)),
+                  offset=512, nbytes=3 << 20, event=b"e" * 64)
+    fields.update(kw)
+    return ipc.VmmDescriptor(**fields)
+
+
+def test_vmm_descriptor_round_trip():
+    wire = vmm_descriptor().encode()
+    assert wire[:2] == (ipc.VERSION, ipc.KIND_VMM)
+    back = ipc.Descriptor.decode(wire)
+    assert type(back) is ipc.VmmDescriptor and back.encode() == wire
+    assert back.handle == (7, 8) and back.block_size == 4 << 20
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(chunks=()), "chunks must be 1 to"),
+    (dict(chunks=[(7, 2 << 20, 0)]), "chunks must be 1 to"),
+    (dict(chunks=((7, 0, 0),)), "chunks must be 1 to"),
+    (dict(chunks=((7, 2 << 20, -1),)), "chunks must be 1 to"),
+    (dict(chunks=((7, 2 << 20),)), "chunks must be 1 to"),
+    (dict(chunks=((7, 2 << 20, 0), (8, 2 << 20, 0))), "distinct fds"),
+    (dict(chunks=((1, 1, 0),) * (ipc.MAX_CHUNKS + 1)), "chunks must be 1 to"),
+    (dict(offset=3 << 20), "nbytes must be > 0 and fit"),
+    (dict(nbytes=0), "nbytes must be > 0 and fit"),
+    (dict(event=b"e"), "event must be None or 64 bytes"),
+])
+def test_malformed_vmm_descriptors_raise_protocol_error(bad, words):
+    with pytest.raises(ProtocolError, match=words):
+        ipc.Descriptor.decode(vmm_descriptor(**bad).encode())
+
+
+def test_vmm_chunks_whose_fds_did_not_come_are_a_protocol_error_and_nothing_leaks():
+    from sharedmp import wire
+    imp = ipc.Importer(cw.FakeDriver(), lease.LeaseClient())
+    d = ipc.Descriptor.decode(vmm_descriptor(chunks=((7, cw.CHUNK, 0), (8, cw.CHUNK, 5))).encode())
+    fd = os.memfd_create("fake-vmm-0", os.MFD_CLOEXEC)
+    prev = wire.swap(wire.OutOfBand([fd]))
+    try:
+        with pytest.raises(ProtocolError, match="refers to fd #5 but carried 1 fds"):
+            imp._import_vmm(d, 0)
+    finally:
+        wire.swap(prev)
+        os.close(fd)
+    assert cw.vmm_fds() == 0 and imp.driver.calls["vmm_import"] == 0
+
+
+def test_vmm_memory_travels_as_fds_which_are_closed_after_release():
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    prod, pconn = _start(ctx, cw.vmm_sender, q, go)
+    cons, cconn = _start(ctx, cw.vmm_receiver, q)
+    try:
+        got = w.result(cons, cconn)
+        go.set()
+        sent = w.result(prod, pconn)
+    finally:
+        pconn.close()
+        cconn.close()
+    # The sender exported chunks 0, 1 and 2 once each; the receiver imported what each array
+    # lies on (a: chunks 0 and 1 in one range; b: chunk 2), kept dups of them (to send them
+    # on) and closed them with its mappings; the legacy array went as a handle.
+    assert got["kinds"] == ["VmmDescriptor", "VmmDescriptor", "Descriptor"]
+    assert got["imported"] == [0, 2 * cw.MiB, 4 * cw.MiB]
+    assert got["mapped"] == [2 * cw.MiB, 4 * cw.MiB] and got["vmm_fds_held"] == 3
+    assert got["unmapped"] and got["fds_left"] == 0 and got["mapped_left"] == 0
+    assert sent == {"fds_while_sent": 3, "released": True, "fds_left": 0}
+
+
+def test_vmm_receiver_killed_while_holding_frees_the_senders_leases_and_fds():
+    ctx = mp.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    prod, pconn = _start(ctx, cw.vmm_sender, q, go)
+    cons, cconn = _start(ctx, cw.vmm_receiver, q, True)
+    try:
+        status, info = w.recv(cons, cconn)
+        assert status == "holding" and info["vmm_fds_held"] == 3
+        os.kill(cons.pid, signal.SIGKILL)
+        assert join_or_kill(cons) == -signal.SIGKILL
+        go.set()
+        sent = w.result(prod, pconn)
+    finally:
+        pconn.close()
+        cconn.close()
+    assert sent == {"fds_while_sent": 3, "released": True, "fds_left": 0}
+
+
+def test_vmm_sender_killed_the_receiver_still_lets_go_of_everything():
+    ctx = mp.get_context("spawn")
+    q, go, received, died = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    prod, pconn = _start(ctx, cw.vmm_sender, q, go, received)
+    cons, cconn = _start(ctx, cw.vmm_receiver, q, False, received, died)
+    try:
+        assert w.recv(prod, pconn)[0] == "sent"
+        assert join_or_kill(prod) == -signal.SIGKILL
+        died.set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = w.result(cons, cconn)
+    finally:
+        pconn.close()
+        cconn.close()
+    assert got["unmapped"] and got["fds_left"] == 0 and got["mapped_left"] == 0
+
+
+def _chain(producer, end, owner_pid=False):
+    """(first, middle, last, first's pid): what ``producer`` (q, go), ``forward`` and ``end``
+    (q, and the first's pid if ``owner_pid``) report, the arrays sent along them."""
+    ctx = mp.get_context("spawn")
+    q1, q2, go, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    prod, pconn = _start(ctx, producer, q1, go)
+    mid, mconn = _start(ctx, cw.forward, q1, q2, done)
+    end, econn = _start(ctx, end, q2, *((prod.pid,) if owner_pid else ()))
+    try:
+        last = w.result(end, econn)
+        done.set()
+        middle = w.result(mid, mconn)
+        go.set()
+        first = w.result(prod, pconn)
+    finally:
+        for c in (pconn, mconn, econn):
+            c.close()
+    return first, middle, last, prod.pid
+
+
+def test_vmm_memory_forwarded_along_a_chain_carries_the_owners_fds():
+    first, middle, last, _ = _chain(cw.vmm_sender, cw.vmm_receiver)
+    # the end imported the owner's chunks (the middle sent its dups of the owner's fds)
+    assert last["kinds"] == ["VmmDescriptor", "VmmDescriptor", "Descriptor"]
+    assert last["imported"] == [0, 2 * cw.MiB, 4 * cw.MiB] and last["fds_left"] == 0
+    assert middle["unmapped"] and middle["outstanding"] == 0
+    assert first == {"fds_while_sent": 3, "released": True, "fds_left": 0}
+
+
+def test_memory_neither_kind_carries_raises_in_put_and_vmm_needs_a_channel():
+    got = w.run(mp.get_context("spawn"), cw.vmm_refusals)
+    assert got["managed"].startswith("CudaError") and "not managed memory" in got["managed"]
+    assert got["outside"].startswith("RuntimeError")
+    assert "only sharedmp's channels carry them" in got["outside"]
+    assert "expandable_segments:False" in got["outside"]
+    assert got["legacy_outside"] == "DevArray" and got["fds_left"] == 0
+
+
 # -- the whole path with the stand-in driver, real processes and queues -------------------
 
 def _start(ctx, target, *args):
@@ -324,14 +471,17 @@ def test_send_receive_release_with_one_mapping_per_block():
                     "ignored": 0, "home_left": 0, "free_events": 1}
 
 
+@pytest.mark.parametrize("memory", ["legacy", "vmm"])
 @pytest.mark.parametrize("per_msg", [1, 100])
-def test_driver_calls_per_message_in_steady_state(per_msg):
-    # The counts the README states. The first message opens the block and the event and
-    # creates the event; from then on nothing a cache could avoid.
+def test_driver_calls_per_message_in_steady_state(per_msg, memory):
+    # The counts the README states. The first message asks what the memory is, exports the
+    # block, opens it and the event and creates the event; from then on nothing a cache could
+    # avoid (VMM memory: where the allocations under each array lie, asked per array).
     ctx = mp.get_context("spawn")
     q, acks = ctx.Queue(), ctx.Queue()
     n = 6
-    sender, sconn = _start(ctx, cw.steady_sender, q, acks, n, per_msg)
+    base = 5 * cw.MiB if memory == "legacy" else cw.VMM + 4 * cw.MiB
+    sender, sconn = _start(ctx, cw.steady_sender, q, acks, n, per_msg, base)
     receiver, rconn = _start(ctx, cw.steady_receiver, q, acks, n)
     try:
         got = w.result(receiver, rconn)
@@ -339,12 +489,20 @@ def test_driver_calls_per_message_in_steady_state(per_msg):
     finally:
         sconn.close()
         rconn.close()
-    assert sent[0] == {"buffer_id": per_msg, "export": 1, "new_event": 1, "record": 1}
-    assert got[0]["open"] == 1 and got[0]["open_event"] == 1
+    if memory == "legacy":
+        assert sent[0] == {"buffer_id": per_msg, "memory_kind": 1, "export": 1, "new_event": 1,
+                           "record": 1}
+        assert got[0]["open"] == 1 and got[0]["open_event"] == 1
+        steady = {"buffer_id": per_msg, "record": 1}
+    else:
+        assert sent[0] == {"buffer_id": per_msg, "memory_kind": 1, "vmm_chunks": per_msg,
+                           "vmm_export": 1, "new_event": 1, "record": 1}
+        assert got[0]["vmm_import"] == 1 and got[0]["open_event"] == 1
+        steady = {"buffer_id": per_msg, "vmm_chunks": per_msg, "record": 1}
     for s, r in zip(sent[1:], got[1:]):
-        assert s == {"buffer_id": per_msg, "record": 1}          # sender, per message
+        assert s == steady                                       # sender, per message
         assert r["wait"] == 1                                    # receiver: one stream wait
-        assert set(r) == {"wait", "mark", "finish"}              # release: no close, no open
+        assert set(r) == {"wait", "mark", "finish"}              # release: no unmap, no open
         assert r["mark"] == r["finish"] <= per_msg               # one per release batch
     if per_msg == 1:
         assert all(r == {"wait": 1, "mark": 1, "finish": 1} for r in got[1:])
@@ -390,20 +548,7 @@ def test_a_receiver_killed_while_holding_frees_the_senders_memory():
 
 
 def test_chain_of_three_processes_forwards_and_releases_back():
-    ctx = mp.get_context("spawn")
-    q1, q2, go, done = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    prod, pconn = _start(ctx, cw.produce, q1, go)
-    mid, mconn = _start(ctx, cw.forward, q1, q2, done)
-    end, econn = _start(ctx, cw.end_of_chain, q2, prod.pid)
-    try:
-        last = w.result(end, econn)
-        done.set()
-        middle = w.result(mid, mconn)
-        go.set()
-        first = w.result(prod, pconn)
-    finally:
-        for c in (pconn, mconn, econn):
-            c.close()
+    first, middle, last, _ = _chain(cw.produce, cw.end_of_chain, owner_pid=True)
     # (the middle's one event for the message, waited for once)
     assert last == {"owner_is_first": True, "lease_is_owner": False, "opens": 2,
                     "events_waited": 1, "unmapped": True}

@@ -64,7 +64,7 @@ class OutOfBand:
     paths of the named segments it carries (``manager.Tokens`` keeps them in flight); and
     the places of its out-of-band buffers."""
 
-    __slots__ = ("fds", "_index", "names", "buffers", "inband")
+    __slots__ = ("fds", "_index", "names", "buffers", "inband", "__weakref__")
 
     def __init__(self, fds: list[int] | None = None) -> None:
         # (a list given: the fds received, only looked up; an Fds is what a sender fills)

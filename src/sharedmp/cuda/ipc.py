@@ -34,6 +34,15 @@ driver): sender, per array: the allocation's buffer id; per message and stream: 
 record. Receiver, per message: one stream wait per event. Release, per batch of arrays
 let go together: one event record and one wait per stream.
 
+VMM memory (``cuMemCreate``/``cuMemMap``: torch's expandable segments), which CUDA IPC
+cannot export, is the descriptor kind "vmm-fd" (``VmmDescriptor``): the sender exports each
+physical allocation under the region as a POSIX fd once (kept in ``Exporter._fds`` while
+used) and puts the fds in the message (the channel's out-of-band fds: SCM_RIGHTS, no
+ptrace permission needed, unlike torch's pidfd_getfd); the receiver imports and maps them
+side by side into one range of its own, keeps dups of them with the mapping (to send the
+memory on) and unmaps at the last holder (or, idle, when the cache lets go). Over anything
+but a sharedmp channel there are no fds: such memory raises, naming the channels.
+
 Forwarding: a receiver may send what it received on (a chain of processes). The
 descriptor keeps the owner's block handle; the lease is the forwarder's, holding its
 own mapping (which holds its lease with the owner). Received back in the owner's own
@@ -56,7 +65,9 @@ from ..errors import ProtocolError
 from . import lease as _lease
 
 VERSION = 1
-KIND = "legacy-ipc"
+KIND = "legacy-ipc"               # cudaMalloc memory: a CUDA IPC handle
+KIND_VMM = "vmm-fd"               # VMM memory (expandable segments): POSIX fds in the message
+MAX_CHUNKS = 4096                 # physical allocations under one region, at most
 MAX_EVENTS = 1000                 # live interprocess events per sender (torch's cap too)
 MAX_IDLE_BLOCKS = 64              # received blocks kept open after their last holder died
 MAX_OPEN_EVENTS = 4096            # senders' event handles kept open by a receiver
@@ -73,11 +84,13 @@ def nonce():
 # ---------------------------------------------------------------------------------------
 
 class Descriptor:
-    """Where a region lives (owner, device, block handle, offset) and its lease."""
+    """Where a region lives (owner, device, block handle, offset) and its lease: memory of
+    cudaMalloc, by its CUDA IPC handle (kind "legacy-ipc")."""
 
     __slots__ = ("owner_pid", "owner", "lease", "token", "uuid", "ordinal", "handle",
                  "block_size", "offset", "nbytes", "event")
-    FIELDS = __slots__
+    FIELDS: tuple[str, ...] = __slots__
+    KIND = KIND
 
     def __init__(self, owner_pid, owner, lease, token, uuid, ordinal, handle, block_size,
                  offset, nbytes, event):
@@ -87,17 +100,20 @@ class Descriptor:
 
     def encode(self):
         """The wire form: (version, kind, fields...)."""
-        return (VERSION, KIND) + tuple(getattr(self, f) for f in self.FIELDS)
+        return (VERSION, self.KIND) + tuple(getattr(self, f) for f in self.FIELDS)
 
-    @classmethod
-    def decode(cls, form):
-        """A Descriptor from its wire form; ProtocolError naming what is wrong."""
+    @staticmethod
+    def decode(form):
+        """A Descriptor (or VmmDescriptor) from its wire form; ProtocolError naming what is
+        wrong."""
         if not isinstance(form, tuple) or len(form) < 2:
             raise ProtocolError("a CUDA array descriptor must be a tuple, got "
                                 f"{type(form).__name__}")
-        if form[0] != VERSION or form[1] != KIND:
+        cls = _KINDS.get(form[1]) if form[0] == VERSION else None
+        if cls is None:
+            kinds = " or ".join(map(repr, _KINDS))
             raise ProtocolError(f"CUDA array descriptor {form[:2]!r} not understood (this "
-                                f"sharedmp reads version {VERSION}, {KIND!r}): run the same "
+                                f"sharedmp reads version {VERSION}, {kinds}): run the same "
                                 "sharedmp version in every process")
         if len(form) != 2 + len(cls.FIELDS):
             raise ProtocolError(f"a CUDA array descriptor has {len(cls.FIELDS)} fields, got "
@@ -106,24 +122,85 @@ class Descriptor:
         d._check()
         return d
 
-    def _check(self):
-        def bad(field, want):
-            raise ProtocolError(f"CUDA array descriptor: {field} must be {want}, got "
-                                f"{getattr(self, field)!r:.80}: the message is corrupt or hostile")
-        for f in ("owner_pid", "ordinal", "block_size", "offset", "nbytes"):
+    def _bad(self, field, want):
+        raise ProtocolError(f"CUDA array descriptor: {field} must be {want}, got "
+                            f"{getattr(self, field)!r:.80}: the message is corrupt or hostile")
+
+    def _check_common(self):
+        for f in ("owner_pid", "ordinal", "offset", "nbytes"):
             if type(getattr(self, f)) is not int or getattr(self, f) < 0:
-                bad(f, "an int >= 0")
-        for f, n in (("owner", 16), ("token", 16), ("uuid", 16), ("handle", 64)):
-            if type(getattr(self, f)) is not bytes or len(getattr(self, f)) != n:
-                bad(f, f"{n} bytes")
+                self._bad(f, "an int >= 0")
+        for f in ("owner", "token", "uuid"):
+            if type(getattr(self, f)) is not bytes or len(getattr(self, f)) != 16:
+                self._bad(f, "16 bytes")
         if self.event is not None and (type(self.event) is not bytes or len(self.event) != 64):
-            bad("event", "None or 64 bytes")
+            self._bad("event", "None or 64 bytes")
         if type(self.lease) is not bytes or not self.lease.startswith(_ADDRESS_PREFIX) \
                 or len(self.lease) > 108:
-            bad("lease", "a sharedmp lease server address")
+            self._bad("lease", "a sharedmp lease server address")
+
+    def _check(self):
+        self._check_common()
+        if type(self.handle) is not bytes or len(self.handle) != 64:
+            self._bad("handle", "64 bytes")
+        if type(self.block_size) is not int or self.block_size < 0:
+            self._bad("block_size", "an int >= 0")
         if self.nbytes == 0 or self.offset + self.nbytes > self.block_size:
-            bad("nbytes", f"> 0 and fit in the block of {self.block_size} bytes from offset "
-                          f"{self.offset}")
+            self._bad("nbytes", f"> 0 and fit in the block of {self.block_size} bytes from "
+                                f"offset {self.offset}")
+
+
+class VmmDescriptor(Descriptor):
+    """A region of VMM memory (kind "vmm-fd"): the physical allocations under it, in address
+    order, as ``chunks`` ((key, size, fd index), ...), each fd in the same message (the
+    channel's out-of-band fds); ``offset`` from the first chunk's start. ``handle`` (not on the
+    wire) is the chunks' keys: the region's block, for the caches, as a legacy handle is."""
+
+    __slots__ = ("chunks",)
+    FIELDS = ("owner_pid", "owner", "lease", "token", "uuid", "ordinal", "chunks", "offset",
+              "nbytes", "event")
+    KIND = KIND_VMM
+
+    def __init__(self, owner_pid, owner, lease, token, uuid, ordinal, chunks, offset, nbytes,
+                 event):
+        self.owner_pid, self.owner, self.lease, self.token = owner_pid, owner, lease, token
+        self.uuid, self.ordinal, self.chunks = uuid, ordinal, chunks
+        self.offset, self.nbytes, self.event = offset, nbytes, event
+        self.handle = self.block_size = None
+
+    def _check(self):
+        self._check_common()
+        chunks = self.chunks
+        if (type(chunks) is not tuple or not 0 < len(chunks) <= MAX_CHUNKS
+                or not all(type(c) is tuple and len(c) == 3 and all(type(x) is int for x in c)
+                           and c[0] >= 0 and c[1] > 0 and c[2] >= 0 for c in chunks)):
+            self._bad("chunks", f"1 to {MAX_CHUNKS} (key, size > 0, fd index) of ints >= 0")
+        if len({c[2] for c in chunks}) != len(chunks):
+            self._bad("chunks", "of distinct fds")
+        self.handle = tuple(c[0] for c in chunks)
+        self.block_size = sum(c[1] for c in chunks)
+        if self.nbytes == 0 or self.offset + self.nbytes > self.block_size:
+            self._bad("nbytes", f"> 0 and fit in the chunks' {self.block_size} bytes from "
+                                f"offset {self.offset}")
+
+
+_KINDS = {KIND: Descriptor, KIND_VMM: VmmDescriptor}
+_NO_CHANNEL = ("this CUDA memory is VMM memory (torch's expandable_segments:True, or "
+               "cuMemCreate), which travels as file descriptors inside the message: only "
+               "sharedmp's channels carry them (mp.Queue, mp.SimpleQueue, mp.Pipe, mp.Pool). "
+               "Send it through one of those, not a standard-library pipe or spawn "
+               "arguments, or allocate it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+
+
+class _Fd:
+    """An fd this process owns, closed once nothing holds it: a cache entry or a message
+    not yet sent (``OutOfBand.keep_alive``), whichever lets go last."""
+
+    __slots__ = ("fd", "__weakref__")
+
+    def __init__(self, fd):
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
 
 
 # ---------------------------------------------------------------------------------------
@@ -139,6 +216,13 @@ class _Event:
         self.ordinal, self.event, self.handle, self.users = ordinal, event, handle, 0
 
 
+_VMM = "vmm"                      # (Exporter._blocks) an allocation of VMM memory
+
+
+def _none():
+    return None                       # (a dead weak reference, for the memos)
+
+
 class Exporter:
     """The sender's side: regions -> descriptors, each with a lease on ``server``."""
 
@@ -146,31 +230,79 @@ class Exporter:
         self.driver = driver
         self.server = server
         server.on_release = self._released
-        self._blocks = {}             # (ordinal, buffer id) -> (base, size, handle)
+        self._blocks = {}             # (ordinal, buffer id) -> (base, size, handle), or _VMM
+        self._fds = {}                # (ordinal, base, size, key) -> [_Fd, last use]: VMM exports
         self._home = {}               # (handle, offset, nbytes) -> [object, leases]
         self._free = {}               # ordinal -> [_Event] ready to be recorded again
         self.live_events = 0          # created and not destroyed
-        self._memo = (None, {})       # (message being pickled, {(ordinal, stream): _Event})
+        # (weakref to the message being pickled, {(ordinal, stream): _Event}); weak: the
+        # message's OutOfBand holds what it sends (fds) until it is sent, no longer
+        self._memo = (_none, {})
         self._lock = threading.Lock()
 
     def _block(self, ordinal, ptr):
-        key = (ordinal, self.driver.buffer_id(ordinal, ptr))
+        """(base, size, handle) of the cudaMalloc block holding ``ptr``, or _VMM; the kind of
+        memory is asked once per allocation (CudaError, naming the fix, for memory that
+        neither kind can carry)."""
+        try:
+            key = (ordinal, self.driver.buffer_id(ordinal, ptr))
+        except Exception:
+            # (no buffer id for this memory: VMM memory needs none, asked each time)
+            if self.driver.memory_kind(ordinal, ptr) == "vmm":
+                return _VMM
+            raise
         block = self._blocks.get(key)
         if block is None:
             if len(self._blocks) >= 4096:      # ids are never reused: old ones only go stale
                 self._blocks.clear()
-            block = self._blocks[key] = self.driver.export(ordinal, ptr)
+            if self.driver.memory_kind(ordinal, ptr) == "vmm":
+                block = _VMM
+            else:
+                block = self.driver.export(ordinal, ptr)
+            self._blocks[key] = block
         return block
+
+    def _vmm_chunks(self, ordinal, ptr, nbytes, oob):
+        """The chunks of a VMM region, ((key, size, fd index), ...), their fds added to the
+        message ``oob``; each allocation exported once (kept in ``_fds`` while used)."""
+        if oob is None:
+            raise RuntimeError(_NO_CHANNEL)
+        found = self.driver.vmm_chunks(ordinal, ptr, nbytes)
+        if not found or ptr < found[0][0] or ptr + nbytes > found[-1][0] + found[-1][1]:
+            raise RuntimeError(f"CUDA region {ptr:#x}+{nbytes} is not inside the VMM "
+                               f"allocations the driver found under it: {found!r:.200}")
+        now, chunks = time.monotonic(), []
+        for base, size, key in found:
+            entry = self._fds.get((ordinal, base, size, key))
+            if entry is None:
+                if len(self._fds) >= MAX_IDLE_BLOCKS * 4:    # the oldest go first
+                    for old in sorted(self._fds, key=lambda k: self._fds[k][1])[:MAX_IDLE_BLOCKS]:
+                        del self._fds[old]
+                entry = self._fds[ordinal, base, size, key] = [
+                    _Fd(self.driver.vmm_export(ordinal, base)), now]
+            entry[1] = now
+            oob.keep_alive(entry[0])          # open until the message is sent
+            chunks.append((key, size, oob.add(entry[0].fd)))
+        cache.start()                          # (lets the exports go once unused)
+        return found[0][0], tuple(chunks)
+
+    def expire(self, cutoff):
+        """Close the VMM exports unused since ``cutoff`` (all: None); whether any is left.
+        (An fd a message not yet sent carries stays open until it is.)"""
+        with self._lock:
+            for k in [k for k, e in self._fds.items() if cutoff is None or e[1] < cutoff]:
+                del self._fds[k]
+            return bool(self._fds)
 
     def _event(self, ordinal, stream):
         """The event recorded for this message on (ordinal, stream), or None after a sync."""
         oob = wire.current()            # None outside sharedmp's channels: no memo
         memo_oob, memo = self._memo
-        if oob is not None and oob is memo_oob and (ordinal, stream) in memo:
+        if oob is not None and oob is memo_oob() and (ordinal, stream) in memo:
             return memo[ordinal, stream]
-        if oob is not memo_oob:
+        if oob is None or oob is not memo_oob():
             memo = {}
-            self._memo = (oob, memo) if oob is not None else (None, {})
+            self._memo = (weakref.ref(oob), memo) if oob is not None else (_none, {})
         free = self._free.get(ordinal)
         if free:
             ev = free.pop()
@@ -191,7 +323,12 @@ class Exporter:
         """The Descriptor of ``nbytes`` at device pointer ``ptr``; ``obj`` (what keeps that
         memory alive here) is held until the receiver releases it."""
         with self._lock:
-            base, size, handle = self._block(ordinal, ptr)
+            block = self._block(ordinal, ptr)
+            if block is _VMM:
+                base, chunks = self._vmm_chunks(ordinal, ptr, nbytes, wire.current())
+                handle, size = tuple(c[0] for c in chunks), sum(c[1] for c in chunks)
+            else:
+                base, size, handle = block
             offset = ptr - base
             if not 0 <= offset <= size - nbytes:
                 raise RuntimeError(f"CUDA region {ptr:#x}+{nbytes} is not inside its allocation "
@@ -203,23 +340,43 @@ class Exporter:
             home[1] += 1
             token = _lease.new_token()
             self.server.add(token, (obj, ev, (handle, offset, nbytes)))
+        event = None if ev is None else ev.handle
+        if block is _VMM:
+            d = VmmDescriptor(os.getpid(), _nonce, self.server.address, token,
+                              self.driver.device_uuid(ordinal), ordinal, chunks, offset, nbytes,
+                              event)
+            d._check()                         # (sets its handle and block_size)
+            return d
         return Descriptor(os.getpid(), _nonce, self.server.address, token,
                           self.driver.device_uuid(ordinal), ordinal, handle, size, offset, nbytes,
-                          None if ev is None else ev.handle)
+                          event)
 
-    def forward(self, holder, stream):
+    def forward(self, holder, stream, fds=None):
         """A received region sent on: the owner's block, with our event (our writes) and a
-        lease of ours holding ``holder`` (so our mapping, and our lease with the owner)."""
+        lease of ours holding ``holder`` (so our mapping, and our lease with the owner).
+        VMM memory: ``fds``, the _Fds its mapping keeps, go in the message again."""
         d = holder.descriptor
+        if isinstance(d, VmmDescriptor):
+            oob = wire.current()
+            if oob is None:
+                raise RuntimeError(_NO_CHANNEL)
+            for f in fds:
+                oob.keep_alive(f)
+            chunks = tuple((key, size, oob.add(f.fd)) for (key, size, _), f in zip(d.chunks, fds))
         with self._lock:
             ev = self._event(holder.ordinal, stream)
             if ev is not None:
                 ev.users += 1
             token = _lease.new_token()
             self.server.add(token, (holder, ev, None))
+        event = None if ev is None else ev.handle
+        if isinstance(d, VmmDescriptor):
+            out = VmmDescriptor(d.owner_pid, d.owner, self.server.address, token, d.uuid,
+                                d.ordinal, chunks, d.offset, d.nbytes, event)
+            out._check()
+            return out
         return Descriptor(d.owner_pid, d.owner, self.server.address, token, d.uuid, d.ordinal,
-                          d.handle, d.block_size, d.offset, d.nbytes,
-                          None if ev is None else ev.handle)
+                          d.handle, d.block_size, d.offset, d.nbytes, event)
 
     def release_own(self, d):
         """Drop the lease of a descriptor that came back to this process unclaimed."""
@@ -252,11 +409,12 @@ class Exporter:
 # ---------------------------------------------------------------------------------------
 
 class _Mapping:
-    __slots__ = ("ordinal", "ptr", "size", "holders", "idle_since")
+    __slots__ = ("ordinal", "ptr", "size", "holders", "idle_since", "fds")
 
-    def __init__(self, ordinal, ptr, size):
+    def __init__(self, ordinal, ptr, size, fds=None):
         self.ordinal, self.ptr, self.size, self.holders = ordinal, ptr, size, 0
         self.idle_since = 0.0
+        self.fds = fds                # VMM memory: the _Fds it came with (to send it on)
 
 
 class Holder:
@@ -277,7 +435,8 @@ class Importer:
         self._maps = {}               # (owner nonce, handle) -> _Mapping (idle: no holder)
         self._idle = 0                # how many of them are idle
         self._events = {}             # (owner nonce, event handle) -> [opened event, last use]
-        self._memo = (None, set())    # (message being unpickled, {(ordinal, event, stream)})
+        # (weakref to the message being unpickled, {(ordinal, event, stream)} waited for)
+        self._memo = (_none, set())
         self._views = {}              # (owner, handle, offset, nbytes, kind) -> weakref
         self._lock = threading.Lock()
         self._regions = {}            # (ordinal, ptr, nbytes) -> weakref to its Holder
@@ -313,7 +472,10 @@ class Importer:
             with self._lock:
                 m = self._maps.get(key)
                 if m is None:
-                    m = _Mapping(ordinal, self.driver.open(ordinal, d.handle), d.block_size)
+                    if isinstance(d, VmmDescriptor):
+                        m = self._import_vmm(d, ordinal)
+                    else:
+                        m = _Mapping(ordinal, self.driver.open(ordinal, d.handle), d.block_size)
                     self._maps[key] = m
                     self.opened += 1
                 elif m.holders == 0:
@@ -335,14 +497,35 @@ class Importer:
         f.atexit = False                              # no CUDA calls at interpreter shutdown
         return holder
 
+    def _import_vmm(self, d, ordinal):
+        """(under the lock) The mapping of a VMM region: its chunks' fds, which came in this
+        message, imported and mapped into one range of this process; dups of them kept with
+        it (to send it on; closed with it). The fds that came are the channel's to close."""
+        oob = wire.current()
+        if oob is None:
+            raise ProtocolError("a CUDA array of VMM memory arrived outside a sharedmp channel: "
+                                "its fds cannot have come with it")
+        fds = [oob.get(i) for _, _, i in d.chunks]    # ProtocolError: not in this message
+        kept = [_Fd(os.dup(fd)) for fd in fds]
+        ptr = self.driver.vmm_import(ordinal, [(fd, size) for fd, (_, size, _) in
+                                               zip(fds, d.chunks)])
+        return _Mapping(ordinal, ptr, d.block_size, kept)
+
+    def fds_of(self, holder):
+        """The _Fds of the VMM mapping under ``holder`` (None for legacy memory)."""
+        d = holder.descriptor
+        with self._lock:
+            m = self._maps.get((d.owner, d.handle))
+            return None if m is None else m.fds
+
     def _wait(self, d, ordinal, stream):
         """Make ``stream`` wait for the sender's event of ``d``: once per message, event and
         stream; the event handle opened once (the sender reuses its events)."""
         oob = wire.current()
         memo_oob, memo = self._memo
-        if oob is not memo_oob:
+        if oob is None or oob is not memo_oob():
             memo = set()
-            self._memo = (oob, memo) if oob is not None else (None, set())
+            self._memo = (weakref.ref(oob), memo) if oob is not None else (_none, set())
         if (ordinal, d.event, stream) in memo:
             return
         key = (d.owner, d.event)
@@ -450,7 +633,11 @@ class Importer:
                     closing.append(m)
         for m in closing:
             try:
-                self.driver.close(m.ordinal, m.ptr)
+                if m.fds is not None:
+                    m.fds = None                      # (closed once no message carries them)
+                    self.driver.vmm_unmap(m.ordinal, m.ptr, m.size)
+                else:
+                    self.driver.close(m.ordinal, m.ptr)
             except Exception as e:
                 warnings.warn(f"sharedmp: closing a received CUDA block failed: {e!r}",
                               RuntimeWarning)
@@ -477,9 +664,11 @@ class Importer:
             return bool(self._idle or self._events)
 
     def held(self):
-        """(bytes of the senders' memory kept open while idle, 0 fds)."""
+        """(bytes of the senders' memory kept open while idle, fds kept with VMM mappings)."""
         with self._lock:
-            return sum(m.size for m in self._maps.values() if not m.holders), 0
+            idle = [m for m in self._maps.values() if not m.holders]
+            return (sum(m.size for m in idle),
+                    sum(len(m.fds) for m in self._maps.values() if m.fds is not None))
 
     def mappings(self):
         """{(owner, handle): holders} of the blocks in use now (idle ones are not listed)."""
@@ -516,13 +705,16 @@ def importer():
 
 
 def _expire(cutoff):
-    imp = _importer
-    return imp.expire(cutoff) if imp is not None else False
+    exp, imp = _exporter, _importer
+    left = exp.expire(cutoff) if exp is not None else False
+    return (imp.expire(cutoff) if imp is not None else False) or left
 
 
 def _held():
-    imp = _importer
-    return imp.held() if imp is not None else (0, 0)
+    """(bytes of the senders' memory kept open, fds: VMM exports and imports kept)."""
+    exp, imp = _exporter, _importer
+    nbytes, fds = imp.held() if imp is not None else (0, 0)
+    return nbytes, fds + (len(exp._fds) if exp is not None else 0)
 
 
 cache.register(5, "cuda", _expire, _held)

@@ -36,7 +36,7 @@ def _export(ordinal, ptr, nbytes, stream, obj):
     imp = ipc._importer
     holder = imp.received(ordinal, ptr, nbytes) if imp is not None else None
     if holder is not None:
-        return ipc.exporter().forward(holder, stream).encode()
+        return ipc.exporter().forward(holder, stream, imp.fds_of(holder)).encode()
     return ipc.exporter().export(ordinal, ptr, nbytes, stream, obj).encode()
 
 

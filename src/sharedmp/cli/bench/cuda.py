@@ -8,6 +8,9 @@ runs as a consumer (this file run as a script, in a fresh process) and a spawned
 producer; the consumer reads one element of a message's first and last tensor (a device
 sync) and drops the message. The figure is the best of the timed rounds after a warm-up
 round. The producer stays alive until the consumer is done (torch needs it).
+C1e-C4e: the same with torch's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True``, set for the consumer and so its spawned producer): VMM memory,
+which sharedmp carries as POSIX fds in the message and torch fetches with pidfd_getfd.
 """
 import json
 import os
@@ -23,6 +26,19 @@ WORKLOADS = [("C1", 2000, 256, "fresh 1 KiB CUDA tensor each"),           # (id,
 # C3's tensors: 100 sizes from 1 Ki to 1 Mi float32, evenly spaced in log
 C3_NUMELS = [int(1024 * 1024 ** (k / 99)) for k in range(100)]
 SYSTEMS = [("sharedmp", "sharedmp"), ("torch", "torch.multiprocessing")]
+EXPANDABLE = "expandable_segments:True"
+ALLOCATORS = [("", None), ("e", EXPANDABLE)]          # (row suffix, allocator setting)
+
+
+def _env(setting):
+    """This environment with PYTORCH_CUDA_ALLOC_CONF's expandable_segments set to ``setting``
+    (None: as it is)."""
+    env = dict(os.environ)
+    if setting is not None:
+        parts = [p for p in env.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
+                 if p.strip() and not p.strip().startswith("expandable_segments")]
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(parts + [setting])
+    return env
 
 
 def _probe():
@@ -113,28 +129,33 @@ def _consumer(system, quick, timeout):
             p.kill()
 
 
-def run(quick, timeout=600):
-    """{"skipped": reason} or {"rows": {workload: {system: figures}}}."""
+def run(quick, timeout=600, expandable=True):
+    """{"skipped": reason} or {"rows": {workload: {system: figures}}}; workloads C1-C4, and
+    C1e-C4e (expandable segments) unless ``expandable`` is false."""
     why = _probe()
     if why is not None:
         return {"skipped": why}
     rows = {}
-    for system, _ in SYSTEMS:
-        cmd = [sys.executable, os.path.abspath(__file__), system, "1" if quick else "0",
-               str(timeout)]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-            out, err = r.stdout, r.stderr
-        except subprocess.TimeoutExpired as e:
-            out, err = e.stdout or "", "timeout"
-        got = [json.loads(line[len(MARK):]) for line in (out or "").splitlines()
-               if line.startswith(MARK)]
-        for res in got:
-            rows.setdefault(res["workload"], {})[system] = res
-        for wid, *_ in WORKLOADS:
-            if system not in rows.setdefault(wid, {}):
-                last = (err or "").strip().splitlines()[-1:]
-                rows[wid][system] = {"error": last or ["no result"]}
+    for suffix, setting in ALLOCATORS if expandable else ALLOCATORS[:1]:
+        for system, _ in SYSTEMS:
+            cmd = [sys.executable, os.path.abspath(__file__), system, "1" if quick else "0",
+                   str(timeout)]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                   env=_env(setting))
+                out, err = r.stdout, r.stderr
+            except subprocess.TimeoutExpired as e:
+                out, err = e.stdout or "", "timeout"
+            if isinstance(out, bytes):
+                out = out.decode(errors="replace")
+            got = [json.loads(line[len(MARK):]) for line in (out or "").splitlines()
+                   if line.startswith(MARK)]
+            for res in got:
+                rows.setdefault(res["workload"] + suffix, {})[system] = res
+            for wid, *_ in WORKLOADS:
+                if system not in rows.setdefault(wid + suffix, {}):
+                    last = (err or "").strip().splitlines()[-1:]
+                    rows[wid + suffix][system] = {"error": last or ["no result"]}
     return {"rows": rows}
 
 
@@ -142,13 +163,20 @@ def format_rows(report):
     """The CUDA section of the table."""
     if "skipped" in report:
         return f"CUDA rows: skipped ({report['skipped']})"
-    lines = ["CUDA (spawn)                             sharedmp msg/s   torch msg/s   ratio"]
-    for wid, _, _, title in WORKLOADS:
-        row = report["rows"].get(wid, {})
-        a, b = row.get("sharedmp", {}).get("msgs"), row.get("torch", {}).get("msgs")
-        cell = lambda v: f"{v:>14,.0f}" if v else f"{'error':>14}"   # noqa: E731
-        ratio = f"{a / b:>6.2f}x" if a and b else "   n/a"
-        lines.append(f"{wid} {title:<36} {cell(a)} {cell(b)}  {ratio}")
+    heads = {"": "CUDA (spawn)", "e": "CUDA, expandable_segments:True (spawn)"}
+    lines = []
+    for suffix, _ in ALLOCATORS:
+        if not any(wid + suffix in report["rows"] for wid, *_ in WORKLOADS):
+            continue
+        if lines:
+            lines.append("")
+        lines.append(f"{heads[suffix]:<42} sharedmp msg/s   torch msg/s   ratio")
+        for wid, _, _, title in WORKLOADS:
+            row = report["rows"].get(wid + suffix, {})
+            a, b = row.get("sharedmp", {}).get("msgs"), row.get("torch", {}).get("msgs")
+            cell = lambda v: f"{v:>14,.0f}" if v else f"{'error':>14}"   # noqa: E731
+            ratio = f"{a / b:>6.2f}x" if a and b else "   n/a"
+            lines.append(f"{wid + suffix:<3} {title:<38} {cell(a)} {cell(b)}  {ratio}")
     return "\n".join(lines)
 
 
