@@ -73,6 +73,7 @@ def test_descriptor_round_trip():
     ("not a tuple", "must be a tuple"),
     ((2, ipc.KIND) + descriptor().encode()[2:], "same sharedmp version"),
     ((1, "vmm-dmabuf") + descriptor().encode()[2:], "same sharedmp version"),
+    ((1, ["a list"]) + descriptor().encode()[2:], "same sharedmp version"),
     ((1, "vmm-fd") + descriptor().encode()[2:], "has 10 fields, got 11"),
     (descriptor().encode()[:-1], "fields"),
     (descriptor(handle=b"h" * 63).encode(), "handle must be 64 bytes"),

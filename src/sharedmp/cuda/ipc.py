@@ -109,7 +109,7 @@ class Descriptor:
         if not isinstance(form, tuple) or len(form) < 2:
             raise ProtocolError("a CUDA array descriptor must be a tuple, got "
                                 f"{type(form).__name__}")
-        cls = _KINDS.get(form[1]) if form[0] == VERSION else None
+        cls = _KINDS.get(form[1]) if form[0] == VERSION and type(form[1]) is str else None
         if cls is None:
             kinds = " or ".join(map(repr, _KINDS))
             raise ProtocolError(f"CUDA array descriptor {form[:2]!r} not understood (this "
