@@ -95,8 +95,12 @@ def no_leaks(request):
         return
     gc.collect()
     mp.empty_cache()            # what this process caches on purpose (memory/cache.py)
+    # (bounded waits: a segment file goes when the daemon hears of it, and an fd sent by
+    # DupFd within this process is closed by multiprocessing's resource-sharer thread, both
+    # a moment after the test)
     deadline = time.monotonic() + 5
-    while (left := shm_files() - shm_before) and time.monotonic() < deadline:
+    while (((left := shm_files() - shm_before) or segment_fds() - fds_before)
+           and time.monotonic() < deadline):
         time.sleep(0.05)
         gc.collect()
         mp.empty_cache()
