@@ -350,15 +350,7 @@ def test_vmm_chunks_whose_fds_did_not_come_are_a_protocol_error_and_nothing_leak
 def test_vmm_memory_travels_as_fds_which_are_closed_after_release():
     ctx = mp.get_context("spawn")
     q, go = ctx.Queue(), ctx.Event()
-    prod, pconn = _start(ctx, cw.vmm_sender, q, go)
-    cons, cconn = _start(ctx, cw.vmm_receiver, q)
-    try:
-        got = w.result(cons, cconn)
-        go.set()
-        sent = w.result(prod, pconn)
-    finally:
-        pconn.close()
-        cconn.close()
+    sent, got = _sender_and_receiver(ctx, cw.vmm_sender, (q, go), cw.vmm_receiver, (q,), go)
     # The sender exported chunks 0, 1 and 2 once each; the receiver imported what each array
     # lies on (a: chunks 0 and 1 in one range; b: chunk 2), kept dups of them (to send them
     # on) and closed them with its mappings; the legacy array went as a handle.
@@ -445,6 +437,21 @@ def test_memory_neither_kind_carries_raises_in_put_and_vmm_needs_a_channel():
 
 # -- the whole path with the stand-in driver, real processes and queues -------------------
 
+def _sender_and_receiver(ctx, sender, sender_args, receiver, receiver_args, then=None):
+    """(what ``sender`` reports, what ``receiver`` reports), each run in a child of ``ctx``:
+    the receiver's report first, then ``then`` (an Event the sender waits on) is set."""
+    prod, pconn = _start(ctx, sender, *sender_args)
+    cons, cconn = _start(ctx, receiver, *receiver_args)
+    try:
+        got = w.result(cons, cconn)
+        if then is not None:
+            then.set()
+        return w.result(prod, pconn), got
+    finally:
+        pconn.close()
+        cconn.close()
+
+
 def _start(ctx, target, *args):
     return w.start(ctx, target, *args)
 
@@ -452,15 +459,7 @@ def _start(ctx, target, *args):
 def test_send_receive_release_with_one_mapping_per_block():
     ctx = mp.get_context("spawn")
     q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
-    prod, pconn = _start(ctx, cw.produce, q, go)
-    cons, cconn = _start(ctx, cw.consume, q, done)
-    try:
-        info = w.result(cons, cconn)
-        go.set()
-        sent = w.result(prod, pconn)
-    finally:
-        pconn.close()
-        cconn.close()
+    sent, info = _sender_and_receiver(ctx, cw.produce, (q, go), cw.consume, (q, done), go)
     # a and b share a block: two blocks opened once each; a's and b's pointers keep their
     # distance; one event for the message, waited for once; released, the blocks stay open
     # (idle, counted in the "cuda" cache) until mp.empty_cache()
@@ -482,14 +481,8 @@ def test_driver_calls_per_message_in_steady_state(per_msg, memory):
     q, acks = ctx.Queue(), ctx.Queue()
     n = 6
     base = 5 * cw.MiB if memory == "legacy" else cw.VMM + 4 * cw.MiB
-    sender, sconn = _start(ctx, cw.steady_sender, q, acks, n, per_msg, base)
-    receiver, rconn = _start(ctx, cw.steady_receiver, q, acks, n)
-    try:
-        got = w.result(receiver, rconn)
-        sent = w.result(sender, sconn)
-    finally:
-        sconn.close()
-        rconn.close()
+    sent, got = _sender_and_receiver(ctx, cw.steady_sender, (q, acks, n, per_msg, base),
+                                     cw.steady_receiver, (q, acks, n))
     if memory == "legacy":
         assert sent[0] == {"buffer_id": per_msg, "memory_kind": 1, "export": 1, "new_event": 1,
                            "record": 1}
@@ -513,15 +506,9 @@ def test_idle_received_blocks_are_bounded_and_let_go_when_idle(monkeypatch):
     monkeypatch.setenv("SHAREDMP_CACHE_IDLE", "0.3")
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
-    sender, sconn = _start(ctx, cw.send_blocks, q, 5, done)
-    receiver, rconn = _start(ctx, cw.idle_blocks, q, 2)
-    try:
-        info = w.result(receiver, rconn)
-        done.set()
-        assert w.result(sender, sconn) is True
-    finally:
-        sconn.close()
-        rconn.close()
+    sent, info = _sender_and_receiver(ctx, cw.send_blocks, (q, 5, done), cw.idle_blocks, (q, 2),
+                                      done)
+    assert sent is True
     # five blocks, at most two kept open once released, both let go after the idle time
     assert info == {"opens": 5, "unmapped": True, "closed_at_release": 3,
                     "idle_bytes": 2 * cw.MiB, "let_go_when_idle": True, "closes": 5}

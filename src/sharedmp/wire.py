@@ -71,7 +71,8 @@ class OutOfBand:
         self.fds: Fds = Fds() if fds is None else fds  # type: ignore[assignment]
         self._index: dict[int, int] = {}
         self.names: list[str] = []
-        self.buffers: list[tuple[Any, int, int, bool]] = []
+        # (made by the first buffer sent out of band: most messages have none)
+        self.buffers: list[tuple[Any, int, int, bool]] | None = None
         self.inband = 0                   # bytes of the PickleBuffers left in band
 
     def buffer(self, pb: pickle.PickleBuffer) -> bool:
@@ -92,6 +93,8 @@ class OutOfBand:
         mapping[offset:offset + raw.nbytes] = raw
         self.keep_alive(mapping)
         self.fds.flight += raw.nbytes          # made for this message (channels/flow.py)
+        if self.buffers is None:
+            self.buffers = []
         self.buffers.append((segment.segment_of(mapping), offset, raw.nbytes, raw.readonly))
         return False
 

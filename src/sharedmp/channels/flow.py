@@ -32,12 +32,11 @@ and per process.
 from __future__ import annotations
 
 import os
-import select
 import threading
 import weakref
 
 from .. import forks
-from ..memory import segment
+from ..memory import manager, segment
 
 ENV = "SHAREDMP_WINDOW_BYTES"
 DEFAULT = 8 << 20
@@ -121,12 +120,7 @@ class Window:
             return
         with self._lock:
             while self.flight > self.limit // 2:
-                poller = select.poll()
-                for r in self._tokens:
-                    poller.register(r, select.POLLIN)
-                # (PEP 475: a signal interrupts this only if its handler raises, as it
-                # interrupts the standard library's blocking send)
-                for r, _ in poller.poll():
+                for r in manager.ended(self._tokens, wait=True):
                     self._taken(r)
 
     def reap(self) -> None:
@@ -134,10 +128,7 @@ class Window:
         if not self._tokens:
             return
         with self._lock:
-            poller = select.poll()
-            for r in self._tokens:
-                poller.register(r, select.POLLIN)
-            for r, _ in poller.poll(0):
+            for r in manager.ended(self._tokens):
                 self._taken(r)
 
     def _taken(self, r: int) -> None:

@@ -18,10 +18,11 @@ import sys
 
 CUDA_ERROR_NOT_INITIALIZED = 3
 
-# Modules through which a process may have initialised CUDA: without any of them imported
-# (a plain CPU program) the fork hook costs a dictionary lookup per name.
-_CUDA_MODULES = ("torch", "cupy", "cuda", "numba", "pycuda", "jax", "tensorflow",
-                 "sharedmp.cuda.driver")
+# Modules other than torch (which says itself whether it has initialised CUDA) through which
+# a process may have initialised CUDA: only with one of them imported does the fork hook probe
+# the driver (it reads /proc/self/maps: 130 us in a process with torch). Without them (a CPU
+# program, a torch program) it costs a dictionary lookup per name.
+_CUDA_MODULES = ("cupy", "cuda", "numba", "pycuda", "jax", "tensorflow", "sharedmp.cuda.driver")
 
 _FORKED_ERROR = ("CUDA arrays cannot be sent or received in this process: it was forked from "
                  "one in which CUDA was initialised ({}), and a forked child cannot use CUDA. "
@@ -55,14 +56,8 @@ def _driver_initialised():
 
 def cuda_initialized() -> str | None:
     """Who initialised CUDA in this process ("torch", "cupy", "the CUDA driver"), or None."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        cuda = getattr(torch, "cuda", None)
-        try:
-            if cuda is not None and cuda.is_initialized():
-                return "torch"
-        except Exception:          # a half-imported torch: fall through to the driver probe
-            pass
+    if _torch_initialized():
+        return "torch"
     if _driver_initialised():
         return "cupy" if "cupy" in sys.modules else "the CUDA driver"
     return None
@@ -75,11 +70,23 @@ def check_not_forked() -> None:
         raise RuntimeError(_FORKED_ERROR.format(f"by {_forked_from}"))
 
 
+def _torch_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        return cuda is not None and bool(cuda.is_initialized())
+    except Exception:              # a half-imported torch: the driver probe decides
+        return False
+
+
 def _before_fork() -> None:
     global _at_fork
     _at_fork = _forked_from
-    if _at_fork is None and any(m in sys.modules for m in _CUDA_MODULES):
-        _at_fork = cuda_initialized()
+    if _at_fork is None:
+        if _torch_initialized():
+            _at_fork = "torch"
+        elif any(m in sys.modules for m in _CUDA_MODULES):
+            _at_fork = cuda_initialized()
 
 
 def _after_fork_in_child() -> None:

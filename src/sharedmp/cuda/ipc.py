@@ -220,7 +220,27 @@ _VMM = "vmm"                      # (Exporter._blocks) an allocation of VMM memo
 
 
 def _none():
-    return None                       # (a dead weak reference, for the memos)
+    return None                       # (a dead weak reference)
+
+
+class _PerMessage:
+    """What was done for the message this thread is pickling or unpickling
+    (``wire.current()``), by key, so that it is done once per message: a dict, new for each
+    message (and a throwaway one outside sharedmp's channels). The message is held weakly:
+    its OutOfBand keeps what it sends (fds) until it is sent, no longer."""
+
+    __slots__ = ("_message", "_done")
+
+    def __init__(self):
+        self._message, self._done = _none, {}
+
+    def done(self):
+        oob = wire.current()
+        if oob is None:
+            return {}
+        if self._message() is not oob:
+            self._message, self._done = weakref.ref(oob), {}
+        return self._done
 
 
 class Exporter:
@@ -235,9 +255,7 @@ class Exporter:
         self._home = {}               # (handle, offset, nbytes) -> [object, leases]
         self._free = {}               # ordinal -> [_Event] ready to be recorded again
         self.live_events = 0          # created and not destroyed
-        # (weakref to the message being pickled, {(ordinal, stream): _Event}); weak: the
-        # message's OutOfBand holds what it sends (fds) until it is sent, no longer
-        self._memo = (_none, {})
+        self._memo = _PerMessage()     # (ordinal, stream) -> _Event recorded for the message
         self._lock = threading.Lock()
 
     def _block(self, ordinal, ptr):
@@ -296,13 +314,9 @@ class Exporter:
 
     def _event(self, ordinal, stream):
         """The event recorded for this message on (ordinal, stream), or None after a sync."""
-        oob = wire.current()            # None outside sharedmp's channels: no memo
-        memo_oob, memo = self._memo
-        if oob is not None and oob is memo_oob() and (ordinal, stream) in memo:
+        memo = self._memo.done()
+        if (ordinal, stream) in memo:
             return memo[ordinal, stream]
-        if oob is None or oob is not memo_oob():
-            memo = {}
-            self._memo = (weakref.ref(oob), memo) if oob is not None else (_none, {})
         free = self._free.get(ordinal)
         if free:
             ev = free.pop()
@@ -311,19 +325,17 @@ class Exporter:
             self.live_events += 1
         else:
             self.driver.sync_stream(ordinal, stream)     # everything before put() is done
-            if oob is not None:
-                memo[ordinal, stream] = None
+            memo[ordinal, stream] = None
             return None
         self.driver.record(ordinal, ev.event, stream)
-        if oob is not None:
-            memo[ordinal, stream] = ev
+        memo[ordinal, stream] = ev
         return ev
 
     def export(self, ordinal, ptr, nbytes, stream, obj):
         """The Descriptor of ``nbytes`` at device pointer ``ptr``; ``obj`` (what keeps that
         memory alive here) is held until the receiver releases it."""
         with self._lock:
-            block = self._block(ordinal, ptr)
+            block, chunks = self._block(ordinal, ptr), None
             if block is _VMM:
                 base, chunks = self._vmm_chunks(ordinal, ptr, nbytes, wire.current())
                 handle, size = tuple(c[0] for c in chunks), sum(c[1] for c in chunks)
@@ -333,29 +345,38 @@ class Exporter:
             if not 0 <= offset <= size - nbytes:
                 raise RuntimeError(f"CUDA region {ptr:#x}+{nbytes} is not inside its allocation "
                                    f"{base:#x}+{size}")
-            ev = self._event(ordinal, stream)
-            if ev is not None:
-                ev.users += 1
             home = self._home.setdefault((handle, offset, nbytes), [obj, 0])
             home[1] += 1
-            token = _lease.new_token()
-            self.server.add(token, (obj, ev, (handle, offset, nbytes)))
-        event = None if ev is None else ev.handle
-        if block is _VMM:
-            d = VmmDescriptor(os.getpid(), _nonce, self.server.address, token,
-                              self.driver.device_uuid(ordinal), ordinal, chunks, offset, nbytes,
-                              event)
+            token, event = self._new_lease(ordinal, stream, obj, (handle, offset, nbytes))
+        return self._descriptor(os.getpid(), _nonce, token, self.driver.device_uuid(ordinal),
+                                ordinal, chunks, handle, size, offset, nbytes, event)
+
+    def _new_lease(self, ordinal, stream, obj, home):
+        """(lock held) A new lease holding ``obj`` and the message's event on ``stream``:
+        (its token, the event's handle or None)."""
+        ev = self._event(ordinal, stream)
+        if ev is not None:
+            ev.users += 1
+        token = _lease.new_token()
+        self.server.add(token, (obj, ev, home))
+        return token, None if ev is None else ev.handle
+
+    def _descriptor(self, owner_pid, owner, token, uuid, ordinal, chunks, handle, size, offset,
+                    nbytes, event):
+        """A VmmDescriptor of ``chunks``, or (None) a Descriptor of the block ``handle``."""
+        if chunks is not None:
+            d = VmmDescriptor(owner_pid, owner, self.server.address, token, uuid, ordinal,
+                              chunks, offset, nbytes, event)
             d._check()                         # (sets its handle and block_size)
             return d
-        return Descriptor(os.getpid(), _nonce, self.server.address, token,
-                          self.driver.device_uuid(ordinal), ordinal, handle, size, offset, nbytes,
-                          event)
+        return Descriptor(owner_pid, owner, self.server.address, token, uuid, ordinal, handle,
+                          size, offset, nbytes, event)
 
     def forward(self, holder, stream, fds=None):
         """A received region sent on: the owner's block, with our event (our writes) and a
         lease of ours holding ``holder`` (so our mapping, and our lease with the owner).
         VMM memory: ``fds``, the _Fds its mapping keeps, go in the message again."""
-        d = holder.descriptor
+        d, chunks = holder.descriptor, None
         if isinstance(d, VmmDescriptor):
             oob = wire.current()
             if oob is None:
@@ -364,19 +385,9 @@ class Exporter:
                 oob.keep_alive(f)
             chunks = tuple((key, size, oob.add(f.fd)) for (key, size, _), f in zip(d.chunks, fds))
         with self._lock:
-            ev = self._event(holder.ordinal, stream)
-            if ev is not None:
-                ev.users += 1
-            token = _lease.new_token()
-            self.server.add(token, (holder, ev, None))
-        event = None if ev is None else ev.handle
-        if isinstance(d, VmmDescriptor):
-            out = VmmDescriptor(d.owner_pid, d.owner, self.server.address, token, d.uuid,
-                                d.ordinal, chunks, d.offset, d.nbytes, event)
-            out._check()
-            return out
-        return Descriptor(d.owner_pid, d.owner, self.server.address, token, d.uuid, d.ordinal,
-                          d.handle, d.block_size, d.offset, d.nbytes, event)
+            token, event = self._new_lease(holder.ordinal, stream, holder, None)
+        return self._descriptor(d.owner_pid, d.owner, token, d.uuid, d.ordinal, chunks, d.handle,
+                                d.block_size, d.offset, d.nbytes, event)
 
     def release_own(self, d):
         """Drop the lease of a descriptor that came back to this process unclaimed."""
@@ -435,8 +446,7 @@ class Importer:
         self._maps = {}               # (owner nonce, handle) -> _Mapping (idle: no holder)
         self._idle = 0                # how many of them are idle
         self._events = {}             # (owner nonce, event handle) -> [opened event, last use]
-        # (weakref to the message being unpickled, {(ordinal, event, stream)} waited for)
-        self._memo = (_none, set())
+        self._memo = _PerMessage()     # (ordinal, event, stream) waited for in the message
         self._views = {}              # (owner, handle, offset, nbytes, kind) -> weakref
         self._lock = threading.Lock()
         self._regions = {}            # (ordinal, ptr, nbytes) -> weakref to its Holder
@@ -521,11 +531,7 @@ class Importer:
     def _wait(self, d, ordinal, stream):
         """Make ``stream`` wait for the sender's event of ``d``: once per message, event and
         stream; the event handle opened once (the sender reuses its events)."""
-        oob = wire.current()
-        memo_oob, memo = self._memo
-        if oob is None or oob is not memo_oob():
-            memo = set()
-            self._memo = (weakref.ref(oob), memo) if oob is not None else (_none, set())
+        memo = self._memo.done()
         if (ordinal, d.event, stream) in memo:
             return
         key = (d.owner, d.event)
@@ -539,8 +545,7 @@ class Importer:
                 entry = self._events[key] = [ev, 0.0, ordinal]
             entry[1] = time.monotonic()
             self.driver.wait(ordinal, entry[0], stream)   # (not closed meanwhile: the lock)
-        if oob is not None:
-            memo.add((ordinal, d.event, stream))
+        memo[ordinal, d.event, stream] = True
         cache.start()                                 # (lets the handle go once idle)
 
     def received(self, ordinal, ptr, nbytes):

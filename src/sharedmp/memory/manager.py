@@ -298,6 +298,18 @@ def _close_unless_forked(fds, pid):
 _token_ids = itertools.count(1)
 
 
+def ended(read_ends, wait=False):
+    """The pipes among ``read_ends`` that have ended (every copy of the write end closed:
+    a token's messages all taken or gone): now, or (``wait``) once at least one has. For
+    the file_system tokens here and the flight tokens of ``channels/flow.py``."""
+    poller = select.poll()
+    for r in read_ends:
+        poller.register(r, select.POLLIN)
+    # (PEP 475: a signal interrupts the wait only if its handler raises, as it interrupts
+    # the standard library's blocking send)
+    return [r for r, _ in poller.poll(None if wait else 0)]
+
+
 class Tokens:
     """The token of one channel end in this process, shared by the messages it sends.
 
@@ -345,10 +357,7 @@ class Tokens:
 
     def _reap(self):
         """(lock held) Close the read ends of the tokens that have ended."""
-        poller = select.poll()
-        for r in self._open:
-            poller.register(r, select.POLLIN)
-        for r, _ in poller.poll(0):                  # ended: every copy of its write end closed
+        for r in ended(self._open):
             self._open.remove(r)
             os.close(r)
 
