@@ -38,6 +38,22 @@ def _table(rows):
     return pa.table(cols)
 
 
+def _polars_strings(rows):
+    """A frame that Polars builds itself: string and binary views, short (inline) and long
+    (in data buffers that Polars grows from 8 KiB: several per column), nulls, two chunks."""
+    import polars as pl
+    half = rows // 2
+    long = [f"a value longer than twelve bytes, row {i}" for i in range(half)]
+    first = pl.DataFrame({
+        "short": [f"r{i}" if i % 7 else None for i in range(half)],
+        "long": long,
+        "bin": [s.encode() for s in long],
+        "i": np.arange(half, dtype=np.int64),
+    })
+    second = first.with_columns(pl.col("long").str.to_uppercase(), pl.col("i") + half)
+    return pl.concat([first, second], rechunk=False)
+
+
 def make(kind, rows):
     if kind == "table":
         return _table(rows)
@@ -61,6 +77,10 @@ def make(kind, rows):
     if kind == "polars-series":
         import polars as pl
         return pl.from_arrow(_table(rows)).get_column("s")
+    if kind == "polars-strings":
+        return _polars_strings(rows)
+    if kind == "polars-strings-series":
+        return _polars_strings(rows).get_column("long")
     if kind == "subclass":
         return np.arange(rows, dtype=np.float64).view(Sub)
     if kind == "blob":

@@ -188,7 +188,7 @@ def get_init(_):
 
 
 def double(a):
-    return a * 2                       # a plain array: copied into shared memory on the way back
+    return a * 2                       # a plain array: by value if small, else shared memory
 
 
 def add(a, b):

@@ -35,6 +35,17 @@ FORK_AND_SPAWN = ["fork", "spawn"]
 SHARING_STRATEGIES = ["file_descriptor", "file_system"]
 
 
+@pytest.fixture
+def never_by_value(monkeypatch):
+    """Plain arrays sent by this process go through shared memory whatever their size (small
+    ones travel by value otherwise: reductions/ndarray.py), to test that path with small
+    arrays of every layout."""
+    from sharedmp import wire
+    from sharedmp.reductions import ndarray
+    monkeypatch.setattr(ndarray, "STD_BY_VALUE_MAX", -1)
+    monkeypatch.setattr(wire, "INBAND_MAX", -1)
+
+
 def shm_files():
     """sharedmp_* files in the shared-memory directory, except the allocator's arenas'."""
     arenas = [a.ref() for a in [*arena._current.values(), *arena._idle.values()]]

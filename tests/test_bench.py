@@ -24,10 +24,12 @@ HAVE_PANDAS = importlib.util.find_spec("pandas") is not None
 HAVE_POLARS = importlib.util.find_spec("polars") is not None
 START_IDS = ["S1", "S2", "S3", "S4", "S5", "S6"]
 FRAME_IDS = ["F1", "F2", "F3"]
-PROGRAM_IDS = START_IDS + FRAME_IDS
+SMALL_IDS = [f"L{i}" for i in range(1, 11)]
+PROGRAM_IDS = START_IDS + FRAME_IDS + SMALL_IDS
 # Whether each program row can run here (it is n/a, with the reason, where it cannot).
 RUNNABLE = {"S5": HAVE_JOBLIB, "S6": HAVE_JOBLIB and HAVE_TORCH, "F1": HAVE_PYARROW,
-            "F2": HAVE_PYARROW and HAVE_PANDAS, "F3": HAVE_PYARROW and HAVE_POLARS}
+            "F2": HAVE_PYARROW and HAVE_PANDAS, "F3": HAVE_PYARROW and HAVE_POLARS,
+            "L9": HAVE_TORCH, "L10": HAVE_TORCH}
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs memfd and /proc")
 
@@ -105,6 +107,10 @@ def test_process_start_rows_measured(tiny_run):
             elif w["kind"] == "frame":         # ms per message, best of n messages per run
                 assert r["ms"] > 0 and r["n"] == w["n"] >= 2 and w["rows"] == 100_000
                 assert r["bytes"] > 9 * 8 * w["rows"]       # 8 float64 columns and strings
+            elif w["kind"] == "small":         # us, best of 3 runs at least; p90 or rate
+                assert r["us"] > 0 and r["n"] == w["n"] >= 200 and len(r["runs_us"]) >= 3
+                assert ("p90_us" in r) == (w["case"] in ("pingpong", "executor_one"))
+                assert ("msgs" in r) == (w["case"] == "stream")
             else:
                 assert r["seconds"] > 0 and r["n"] == w["n"] >= 2
         assert section["ratios"][w["id"]] > 0
@@ -209,7 +215,9 @@ def test_plan_counts():
 
 def test_start_plan_counts_and_targets_from_figures():
     full = {w["id"]: w for w in plan.make_start_plan(1.0)}
-    assert [full[k]["n"] for k in PROGRAM_IDS] == [9, 100, 100, 100, 100, 10, 5, 5, 5]
+    assert [full[k]["n"] for k in PROGRAM_IDS] == [9, 100, 100, 100, 100, 10, 5, 5, 5, 2000,
+                                                   2000, 1000, 2000, 2000, 5000, 5000, 50000,
+                                                   5000, 50000]
     assert [full[k].get("method") for k in ("S2", "S3", "S4")] == ["spawn", "fork", "forkserver"]
     assert [full[k]["rows"] for k in FRAME_IDS] == [1_000_000] * 3
     assert [full[k]["needs"] for k in FRAME_IDS] == [["pyarrow"], ["pyarrow", "pandas"],
@@ -217,6 +225,7 @@ def test_start_plan_counts_and_targets_from_figures():
     tiny = {w["id"]: w for w in plan.make_start_plan(0.02)}
     assert tiny["S1"]["n"] == 3 and tiny["S2"]["n"] == 2 and tiny["S6"]["n"] == 2
     assert tiny["F1"]["n"] == 2 and tiny["F1"]["rows"] == 100_000    # data, not fixed costs
+    assert tiny["L1"]["n"] == tiny["L8"]["n"] == 200                  # L rows: 200 items at least
     report = {"start": {"ratios": {"S1": 2.5, "S2": 1.2, "S5": None, "F1": 0.15, "F3": 0.3}}}
     got = {t["workload"]: (t["value"], t["met"]) for t in bench_report.check_start_targets(report)}
     assert got == {"S1": (2.5, False), "S2": (1.2, True), "S5": (None, None),

@@ -55,7 +55,7 @@ def equal(kind, got, want):
         import pandas as pd
         pd.testing.assert_frame_equal(got, want)
         return True
-    if kind in ("polars", "polars-series"):
+    if kind.startswith("polars"):
         return got.equals(want) and getattr(got, "name", None) == getattr(want, "name", None)
     if kind in ("blob", "writable-blob"):
         return bytes(got.data) == bytes(want.data)
@@ -98,11 +98,78 @@ def test_pandas_numpy_and_arrow_columns_arrive_in_shared_memory():
 def test_polars_frames_travel_as_arrow_in_shared_memory():
     pytest.importorskip("polars")
     got = receive("polars")
-    # Polars keeps numbers as Arrow has them; strings it converts to its own layout (a copy
-    # Polars makes on every from_arrow, as on the sender's to_arrow)
-    for name in ("f0", "f1", "f2", "i"):
-        data = got.get_column(name).to_arrow().buffers()[1]
-        assert in_shared_memory(data.address, data.size), name
+    for name in ("f0", "f1", "f2", "i", "s"):            # (s: its views, the strings inline)
+        assert all(in_shared_memory(b.address, b.size)
+                   for b in polars_buffers(got.get_column(name)) if b.size > wire.INBAND_MAX)
+
+
+def polars_views():
+    """polars, where it exports its string views as they are (CompatLevel, Polars >= 1.1)."""
+    pl = pytest.importorskip("polars")
+    if not hasattr(pl, "CompatLevel"):
+        pytest.skip("Polars < 1.1: no CompatLevel")
+    return pl
+
+
+def polars_buffers(obj):
+    """Every buffer of a Polars frame or series, as Polars holds it (its views as they are:
+    Polars exports them at the newest level without a copy)."""
+    from sharedmp.reductions.polars import to_arrow
+    frame = obj.to_frame() if hasattr(obj, "to_frame") else obj
+    return arrow_buffers(to_arrow(frame))
+
+
+@pytest.mark.parametrize("kind", ["polars-strings", "polars-strings-series"])
+def test_polars_string_views_arrive_in_shared_memory_as_they_are(kind):
+    pl = polars_views()
+    got, want = receive(kind), bw.make(kind, ROWS)
+    assert equal(kind, got, want)
+    frame = got.to_frame() if isinstance(got, pl.Series) else got
+    assert frame.schema == (want.to_frame() if isinstance(want, pl.Series) else want).schema
+    assert frame.n_chunks() == 2                          # the sender's chunks, kept
+    from sharedmp.reductions.polars import to_arrow
+    types = {f.name: str(f.type) for f in to_arrow(frame).schema}
+    assert {t for n, t in types.items() if n != "i"} <= {"string_view", "binary_view"}
+    # views and long strings' data buffers (many per column): every one over the message's
+    # in-band budget received where the sender put it, in shared memory; none of the sender's
+    big = [b for b in polars_buffers(got) if b.size > wire.INBAND_MAX]
+    assert len(big) >= (10 if kind == "polars-strings" else 4)
+    assert all(in_shared_memory(b.address, b.size) for b in big)
+    assert not any(in_shared_memory(b.address, b.size) for b in polars_buffers(want))
+
+
+def test_polars_reducers_export_string_views():
+    pl = polars_views()
+    from sharedmp.reductions import polars as reductions
+    df = bw.make("polars-strings", 1000)
+    rebuild, (table,) = reductions.reduce_polars_frame(df)
+    assert [str(t) for t in table.schema.types] == ["string_view", "string_view",
+                                                     "binary_view", "int64"]
+    assert rebuild(table).equals(df)
+    rebuild, (table,) = reductions.reduce_polars_series(df.get_column("bin"))
+    assert str(table.schema.types[0]) == "binary_view"
+    got = rebuild(table)
+    assert isinstance(got, pl.Series) and got.name == "bin" and got.equals(df.get_column("bin"))
+
+
+def test_polars_falls_back_to_the_default_level_then_to_polars_pickle(monkeypatch):
+    pl = pytest.importorskip("polars")
+    from sharedmp.reductions import polars as reductions
+    df = bw.make("polars-strings", 20_000)
+    # a newest level this Polars or pyarrow cannot export (an older one): Arrow's strings
+    monkeypatch.setattr(reductions, "_newest", {"compat_level": "no such level"})
+    assert "large_string" in str(reductions.reduce_polars_frame(df)[1][0].schema)
+    payload, fds, kind = wire.dumps(df)
+    assert kind == wire.FLAG_BUFFERS
+    assert wire.loads(payload, [os.dup(fd) for fd in fds], kind).equals(df)
+    # a column that Arrow cannot hold at any level (pyarrow has no 128-bit integers)
+    if hasattr(pl, "Int128"):
+        odd = df.with_columns(pl.col("i").cast(pl.Int128))
+        try:
+            odd.to_arrow()
+        except Exception:
+            payload, fds, kind = wire.dumps(odd)
+            assert wire.loads(payload, [os.dup(fd) for fd in fds], kind).equals(odd)
 
 
 def test_buffers_stay_in_band_up_to_the_messages_budget():

@@ -47,7 +47,8 @@ def test_poll_false_then_true(direction):
         assert dst.poll(TIMEOUT) is True
         assert dst.poll(None) is True                  # already readable: returns at once
         got = dst.recv()
-        assert got["x"] == 1 and got["arr"].tolist() == [0, 1, 2] and mp.is_shared(got["arr"])
+        # (a small plain array travels by value: reductions/ndarray.py)
+        assert got["x"] == 1 and got["arr"].tolist() == [0, 1, 2] and not mp.is_shared(got["arr"])
         assert dst.poll(0) is False
 
 
@@ -251,12 +252,13 @@ def test_objects_and_arrays_both_ways(start_method):
     b.close()
     try:
         x = mp.zeros(6, dtype=np.int32)
-        plain = np.arange(5.0)
-        a.send(("hi", x, plain, {"k": [1, 2]}))
-        tag, y, q, d = _recv(a)
+        plain, small = np.arange(10_000.0), np.arange(5.0)   # 80 KB: over the by-value size
+        a.send(("hi", x, plain, {"k": [1, 2]}, small))
+        tag, y, q, d, s = _recv(a)
         assert tag == "hi" and d == {"k": [1, 2]}
         assert data_ptr(y) == data_ptr(x)                    # back home: the same memory
         assert mp.is_shared(q) and q.tolist() == plain.tolist() and not mp.is_shared(plain)
+        assert not mp.is_shared(s) and s.tolist() == small.tolist() and s.flags.writeable
         a.send(None)
         assert join_or_kill(p) == 0
     finally:

@@ -223,7 +223,7 @@ def make_pool(which, *args, **kwargs):
 @pytest.mark.parametrize("which", POOLS)
 def test_pool_with_arrays(which):
     arrays = [mp.full(3, float(i)) for i in range(6)]
-    plain = [np.full(2, i) for i in range(4)]
+    plain = [np.full(2, i) for i in range(4)]            # small: they travel by value
     with make_pool(which, 2) as pool:
         assert isinstance(pool, multiprocessing.pool.Pool)
         assert type(pool._inqueue) is queues.SimpleQueue
@@ -231,7 +231,7 @@ def test_pool_with_arrays(which):
 
         got = pool.map_async(cw.double, arrays).get(TIMEOUT)
         assert [g.tolist() for g in got] == [[2.0 * i] * 3 for i in range(6)]
-        assert all(mp.is_shared(g) for g in got)
+        assert not any(mp.is_shared(g) for g in got)       # fresh and small: by value
 
         it = pool.imap(cw.double, plain)
         got = [it.next(timeout=TIMEOUT) for _ in plain]
@@ -249,7 +249,9 @@ def test_pool_with_arrays(which):
         r = pool.apply_async(cw.add, (arrays[2], plain[1][:1]))
         assert r.get(TIMEOUT).tolist() == [3.0] * 3
 
-        assert pool.map_async(cw.is_shared, arrays + plain).get(TIMEOUT) == [True] * 10
+        assert pool.map_async(cw.is_shared, arrays + plain).get(TIMEOUT) == [True] * 6 + [False] * 4
+        big = [np.full(10_000, i) for i in range(2)]      # 80 KB: shared memory
+        assert pool.map_async(cw.is_shared, big).get(TIMEOUT) == [True] * 2
 
         made = pool.map_async(cw.make_full_shared, range(5)).get(TIMEOUT)
         for i, (shared_there, a) in enumerate(made):
@@ -295,7 +297,9 @@ def test_process_pool_executor_with_a_sharedmp_context():
     with concurrent.futures.ProcessPoolExecutor(max_workers=2, mp_context=ctx) as ex:
         a = mp.full(4, 1.5)
         r = ex.submit(cw.double, a).result(timeout=TIMEOUT)
-        assert r.tolist() == [3.0] * 4 and mp.is_shared(r)
+        assert r.tolist() == [3.0] * 4 and not mp.is_shared(r)      # small: by value
+        r = ex.submit(cw.double, mp.full(10_000, 1.5)).result(timeout=TIMEOUT)
+        assert r.tolist() == [3.0] * 10_000 and mp.is_shared(r)
         got = list(ex.map(cw.double, [np.arange(3) + i for i in range(5)], timeout=TIMEOUT))
         assert [g.tolist() for g in got] == [[2 * (j + i) for j in range(3)] for i in range(5)]
         made = list(ex.map(cw.make_full_shared, range(3), timeout=TIMEOUT))

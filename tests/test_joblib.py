@@ -131,8 +131,8 @@ def test_plain_numpy_arguments_are_copied_into_shared_memory():
     # docs/API.md section 5: a NumPy array not yet shared is copied into shared memory; the
     # workers' views are shared, the parent's original is not and never sees their writes.
     # Above joblib's max_nbytes (1 MiB): one read-only copy for the whole call, as joblib's
-    # memmaps; below: a writable copy per message.
-    big, small = np.arange(1 << 20, dtype=np.float64), np.arange(1000, dtype=np.float64)
+    # memmaps; below: a writable copy per message (by value under 48 KiB).
+    big, small = np.arange(1 << 20, dtype=np.float64), np.arange(10_000, dtype=np.float64)
     out = run(joblib.delayed(w.look)(big) for _ in range(6))
     keys = {where for where, _, _, _ in out}
     assert len(keys) == 1 and None not in keys                 # one copy, every task

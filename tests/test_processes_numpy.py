@@ -50,7 +50,7 @@ def test_parent_sees_child_allocation_and_later_writes(ctx):
 
 def test_plain_array_to_spawned_child_arrives_shared():
     ctx = multiprocessing.get_context("spawn")
-    plain = np.arange(30, dtype=np.float32).reshape(5, 6)
+    plain = np.arange(60_000, dtype=np.float32).reshape(500, 120)   # over the by-value size
     shared, desc = w.run(ctx, w.report_shared, plain)
     assert shared is True
     assert desc == w.describe(plain)      # values, shape, strides, dtype, flags

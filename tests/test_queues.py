@@ -85,12 +85,14 @@ def test_get_on_empty_raises_empty(kind):
 def test_roundtrip_objects_and_arrays(kind):
     q = make(kind)
     a = mp.zeros(4)
-    plain = np.arange(6).reshape(2, 3)
-    q.put(("tuple", a, plain, None, {"d": [1.5]}))
-    tag, a2, p2, none, d = get(q, kind)
+    plain = np.arange(12_000).reshape(2, 6000)       # 96 KB: over the by-value size
+    small = np.arange(6).reshape(2, 3)
+    q.put(("tuple", a, plain, None, {"d": [1.5]}, small))
+    tag, a2, p2, none, d, s2 = get(q, kind)
     assert tag == "tuple" and none is None and d == {"d": [1.5]}
     assert mp.is_shared(a2) and mp.is_shared(p2) and not mp.is_shared(plain)
     assert p2.tolist() == plain.tolist()
+    assert s2.tolist() == small.tolist() and not mp.is_shared(s2)   # by value
     a2[0] = 3                                            # same memory as the original
     assert a[0] == 3
     close_queue(q)

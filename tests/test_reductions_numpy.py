@@ -191,7 +191,7 @@ PLAIN_VIEWS = [
 
 
 @pytest.mark.parametrize("make", [m for _, m in PLAIN_VIEWS], ids=[n for n, _ in PLAIN_VIEWS])
-def test_plain_array_round_trip_becomes_shared(make):
+def test_plain_array_round_trip_becomes_shared(make, never_by_value):
     a = make()
     r = _dumps_loads_dupfd(a)
     _assert_same(r, a)
@@ -200,7 +200,7 @@ def test_plain_array_round_trip_becomes_shared(make):
         assert not np.shares_memory(r, a)
 
 
-def test_plain_sparse_view_is_copied_compactly():
+def test_plain_sparse_view_is_copied_compactly(never_by_value):
     base = np.arange(100_000.0)
     a = base[::1000]                           # sending the gaps would cost 1000x
     r = _dumps_loads_dupfd(a)
@@ -208,7 +208,7 @@ def test_plain_sparse_view_is_copied_compactly():
     assert r.flags.c_contiguous
 
 
-def test_plain_arrays_across_spawn_arrive_shared_and_equal():
+def test_plain_arrays_across_spawn_arrive_shared_and_equal(never_by_value):
     ctx = multiprocessing.get_context("spawn")
     for name, make in PLAIN_VIEWS[:4] + PLAIN_VIEWS[6:7]:
         a = make()

@@ -214,8 +214,11 @@ def test_hogwild_workers_share_parameters_and_optimizer_state():
             conn.close()
     assert all(i["shared"] for i in infos)
     step = float(opt.state[model.weight]["step"])
-    assert step == 40                                # both workers advanced the one shared counter
-    assert max(i["step"] for i in infos) == 40
+    # Both workers advanced the one shared counter. Hogwild takes no lock: Adam's
+    # ``step += 1`` is a read-modify-write of shared memory, and two workers that read it at
+    # the same instant lose one increment (seen under load: 39).
+    assert 20 < step <= 40
+    assert max(i["step"] for i in infos) == step
     assert not torch.equal(model.weight.detach(), before)
     x = torch.randn(64, 4)
     y = x.sum(dim=1, keepdim=True)

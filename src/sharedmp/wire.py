@@ -84,8 +84,7 @@ class OutOfBand:
             raw = pb.raw()
         except BufferError:            # not contiguous: pickle copies it in band
             return True
-        if self.inband + raw.nbytes <= INBAND_MAX:
-            self.inband += raw.nbytes
+        if self.inband_room(raw.nbytes):
             return True
         from .memory import arena, segment
         from .strategy import get_sharing_strategy
@@ -96,6 +95,14 @@ class OutOfBand:
         if self.buffers is None:
             self.buffers = []
         self.buffers.append((segment.segment_of(mapping), offset, raw.nbytes, raw.readonly))
+        return False
+
+    def inband_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit in the message's in-band budget (taking them if so):
+        a small array not yet shared then travels by value (reductions/ndarray.py)."""
+        if self.inband + nbytes <= INBAND_MAX:
+            self.inband += nbytes
+            return True
         return False
 
     def keep_alive(self, owner: object) -> None:
@@ -141,6 +148,7 @@ class _Pickler(pickle.Pickler):
     """ForkingPickler's reducers without copying its dispatch table for every message."""
 
     _source: tuple[int, int] | None = None
+    version = 0                       # of the table: a pickler made before a change is stale
 
     @classmethod
     def refresh(cls) -> None:
@@ -152,11 +160,40 @@ class _Pickler(pickle.Pickler):
             table = dict(copyreg.dispatch_table)
             table.update(extra)
             cls.dispatch_table, cls._source = table, source
+            cls.version += 1
 
 
 def reducers_changed() -> None:
     """Call after replacing a ForkingPickler registration (the count alone would not tell)."""
     _Pickler._source = None
+
+
+class _Reused:
+    """A thread's pickler and its buffer, reused message after message: making a pickler
+    costs more than pickling a small message (0.5 of 0.75 us for an int). Its memo is
+    cleared after each message (it would keep the objects alive, and refer to them in the
+    next); its buffer callback goes to the message's OutOfBand."""
+
+    __slots__ = ("buf", "pickler", "version", "oob", "busy")
+
+    def __init__(self) -> None:
+        self.buf = io.BytesIO()
+        self.pickler = _Pickler(self.buf, 5, buffer_callback=self._buffer)
+        self.version = _Pickler.version
+        self.oob: OutOfBand | None = None
+        self.busy = False
+
+    def _buffer(self, pb: pickle.PickleBuffer) -> bool:
+        return self.oob.buffer(pb)  # type: ignore[union-attr]
+
+
+def _reused() -> _Reused | None:
+    """This thread's pickler if it is free and current, else None (pickle with a new one: a
+    reducer that sends a message of its own while its message is pickled)."""
+    r = getattr(_local, "reused", None)
+    if r is None or r.version != _Pickler.version:
+        r = _local.reused = _Reused()
+    return None if r.busy else r
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,6 +209,7 @@ FLAG_BUFFERS = 3   # a pickle with out-of-band buffers (the module's docstring)
 # goes through a memfd, and out of band is 2.2x faster.
 INBAND_MAX = 48 << 10
 _LENGTH = struct.Struct("<I")
+_KEEP_BUFFER = 64 << 10          # a reused pickler's buffer is copied out up to this size
 
 Reducer = Callable[[Any], Any]
 Encoder = Callable[[Any, Fds], Optional[bytes]]                 # None: pickle it instead
@@ -215,25 +253,46 @@ def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffe
     prev = swap(oob)
     kind = 0
     try:
-        buf = io.BytesIO()
-        _Pickler.refresh()
-        _Pickler(buf, 5, buffer_callback=oob.buffer).dump(obj)
+        body = _pickle(obj, oob)
         if oob.buffers:              # their places first: [length][places][the pickle]
-            body = buf.getbuffer()
             buf = io.BytesIO()
             buf.write(b"\0" * _LENGTH.size)
             _Pickler(buf, 5).dump(oob.buffers)
             _LENGTH.pack_into(buf.getbuffer(), 0, buf.tell() - _LENGTH.size)
             buf.write(body)
             del body
-            kind = FLAG_BUFFERS
+            body, kind = buf.getbuffer(), FLAG_BUFFERS
     finally:
         swap(prev)
     if oob.names:
         fd, owner = (tokens or manager.Tokens()).carry(oob.names)
         oob.fds.append(fd)
         oob.fds.keep.append(owner)
-    return buf.getbuffer(), oob.fds, kind
+    return body, oob.fds, kind
+
+
+def _pickle(obj: Any, oob: OutOfBand) -> ReadableBuffer:
+    """The pickle of ``obj`` (protocol 5, out-of-band buffers to ``oob``), by this thread's
+    reused pickler when it is free."""
+    _Pickler.refresh()
+    reused = _reused()
+    if reused is None:
+        buf = io.BytesIO()
+        _Pickler(buf, 5, buffer_callback=oob.buffer).dump(obj)
+        return buf.getbuffer()
+    buf, reused.oob, reused.busy = reused.buf, oob, True
+    try:
+        reused.pickler.dump(obj)
+        if buf.tell() > _KEEP_BUFFER:      # a large pickle keeps its buffer: a new one here
+            _local.reused = None
+            return buf.getbuffer()
+        return buf.getvalue()              # a copy of a small one; the buffer stays
+    finally:
+        reused.pickler.clear_memo()
+        reused.oob, reused.busy = None, False
+        if _local.reused is reused:
+            buf.seek(0)
+            buf.truncate()
 
 
 def _decoder(kind: int) -> Decoder:

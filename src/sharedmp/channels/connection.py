@@ -20,6 +20,7 @@ import math
 import os
 import select
 import socket
+import time
 from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,6 +33,32 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
 SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
+
+# A receiver that finds nothing to read looks again for up to SPIN seconds, yielding the CPU
+# between looks, before it sleeps in the kernel. Waking a process that sleeps on another CPU
+# costs 50-70 us on a virtual machine (an interrupt to an idle CPU; measured: a ping-pong
+# of an int over a socketpair, 4 us on one CPU, 57-67 us across two), more than a round trip
+# of a small message takes when its peer answers at once (16 us): without this a request
+# and its answer take 4-5x as long as they need whenever the scheduler puts the two
+# processes on different CPUs. A wait that lasts longer costs SPIN of CPU once.
+SPIN_ENV = "SHAREDMP_SPIN_US"
+_spin: float | None = None
+
+
+def spin_seconds() -> float:
+    """$SHAREDMP_SPIN_US (microseconds; 0 turns spinning off; default 50), read once."""
+    global _spin
+    if _spin is None:
+        value = os.environ.get(SPIN_ENV, "50")
+        try:
+            us = float(value)
+        except ValueError:
+            us = -1.0
+        if not 0 <= us <= 1e6:
+            raise ValueError(f"${SPIN_ENV} must be a number of microseconds from 0 (no "
+                             f"spinning) to 1000000, not {value!r}")
+        _spin = us / 1e6
+    return _spin
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
@@ -121,7 +148,16 @@ class Connection:
 
     def recv(self) -> Any:
         """Receive an object sent with send()."""
-        return loads(*fdpass.recv_frame(self._check(read=True)))
+        return loads(*self._recv_frame(self._check(read=True)))
+
+    def _recv_frame(self, sock: socket.socket) -> tuple[bytes | bytearray, list[int], int]:
+        """The next frame: read at once if there, else after a spin (see SPIN), else waited
+        for."""
+        try:
+            return fdpass.recv_frame(sock, block=False)
+        except BlockingIOError:
+            self.poll(None)
+        return fdpass.recv_frame(sock)
 
     def send_bytes(self, buf: ReadableBuffer, offset: int = 0, size: int | None = None) -> None:
         """Send a bytes-like object (or the part of it at ``offset`` of ``size`` bytes)."""
@@ -136,7 +172,7 @@ class Connection:
         fdpass.send_frame(sock, m[offset:offset + size], window=self._flow())
 
     def _recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
-        payload, fds, _ = fdpass.recv_frame(self._check(read=True))
+        payload, fds, _ = self._recv_frame(self._check(read=True))
         fdpass.close_all(fds)          # raw bytes carry no fds; any that came are dropped
         if maxlength is not None and len(payload) > maxlength:
             self.close()
@@ -169,11 +205,30 @@ class Connection:
             self._poller.register(sock, select.POLLIN)
         ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
         try:
+            if self._poller.poll(0):
+                return True
+            if ms != 0 and self._spin(self._poller):
+                return True
             return bool(self._poller.poll(ms))
         except RuntimeError:      # "concurrent poll() invocation": another thread waits with it
             own = select.poll()
             own.register(sock, select.POLLIN)
             return bool(own.poll(ms))
+
+    @staticmethod
+    def _spin(poller: select.poll) -> bool:
+        """Look again for up to spin_seconds(), yielding the CPU between looks (see SPIN);
+        whether there is something to read now. (A ``poll(timeout)`` that spun waits its
+        whole timeout after it: a few tens of microseconds more at most.)"""
+        spin = _spin if _spin is not None else spin_seconds()
+        if not spin:
+            return False
+        end = time.perf_counter() + spin
+        while time.perf_counter() < end:
+            os.sched_yield()
+            if poller.poll(0):
+                return True
+        return False
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:

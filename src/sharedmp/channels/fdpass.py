@@ -112,7 +112,8 @@ def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] 
         # Carved from this process's arenas (or a segment of its own when large): warm memory
         # once recycled, where a memfd per message would cost a page fault per 4 KiB.
         mapping, offset = arena.allocate(length, "file_descriptor", zero=False)
-        mapping[offset:offset + length] = payload          # (``mapping`` lives until sent)
+        # (``mapping`` lives until sent; a NumPy view of bytes takes a memoryview, not bytes)
+        mapping[offset:offset + length] = memoryview(payload)
         # the payload's fd comes last
         extra.append(segment.segment_of(mapping).fd)  # type: ignore[union-attr]
         payload, flags, flight = _OFFSET.pack(offset), flags | PAYLOAD_IN_MEMFD, flight + length

@@ -4,7 +4,9 @@ Two forms: pickled (``reduce_ndarray``/``rebuild_ndarray``), for arrays anywhere
 message and on any channel; and, for a message of one array alone on a sharedmp channel,
 a fixed binary header that skips pickle (``encode_array``/``decode_array``, frame flag
 ``FLAG_ARRAY`` in ``channels/connection.py``): a stream of small arrays would otherwise
-spend most of its time in pickle.
+spend most of its time in pickle. A small array not in shared memory travels by value
+(``STD_BY_VALUE_MAX`` below says when): pickled as NumPy pickles it, or as that header
+followed by its bytes, with no fd.
 """
 import ctypes
 import struct
@@ -19,6 +21,20 @@ from ..errors import ProtocolError, SegmentError
 from ..memory import arena, segment
 from ..strategy import get_sharing_strategy
 from .segment import reduce_segment
+
+
+# Small plain arrays travel by value. An array not in shared memory yet would be copied
+# into it at send, and its fd carried; below these sizes its bytes in the message cost
+# less (measured, docs/reference.md "Small arrays travel by value"):
+# - on a sharedmp channel, while the message's bytes by value (its PickleBuffers too)
+#   stay within ``wire.INBAND_MAX`` (48 KiB: one record; a lone 4 KiB array 17.4 -> 9.6 us
+#   a send + receive, 48 KiB 21.2 -> 17.5);
+# - on any other channel (a standard-library Queue, Pipe or spawn arguments), up to
+#   ``STD_BY_VALUE_MAX``: there the fd would go through multiprocessing's resource sharer, a
+#   connection back to the sender per array (about 0.4 ms; 16 KiB by value 0.04 ms, 256
+#   KiB 0.56 ms), which also fails once the sender has exited.
+# An array already in shared memory always travels as its segment (it is shared).
+STD_BY_VALUE_MAX = 128 << 10
 
 
 def _address(a):
@@ -58,6 +74,10 @@ def reduce_ndarray(a):
     if a.dtype.hasobject:
         return a.__reduce_ex__(4)            # Python objects: ordinary pickling
     mapping, seg = mapping_of(a)
+    if seg is None:
+        oob = wire.current()
+        if (a.nbytes <= STD_BY_VALUE_MAX if oob is None else oob.inband_room(a.nbytes)):
+            return rebuild_value, (a.tobytes(), _plain(a.dtype), a.shape, not a.flags.writeable)
     if seg is None:                          # not shared yet: copy once into shared memory
         a = copy_to_shared(a)
         mapping, seg = mapping_of(a)
@@ -73,12 +93,26 @@ def reduce_ndarray(a):
     return _rebuild_args(a, seg, _address(a) - seg.address)
 
 
-def _rebuild_args(a, seg, offset):
-    dtype = a.dtype
+def _plain(dtype):
     # A plain dtype travels as its string ('<f8'): pickling the dtype object costs more
     # than everything else in the message.
-    dtype = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
-    return rebuild_ndarray, (seg, offset, a.shape, a.strides, dtype, not a.flags.writeable)
+    return dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
+
+
+def _rebuild_args(a, seg, offset):
+    return rebuild_ndarray, (seg, offset, a.shape, a.strides, _plain(a.dtype),
+                             not a.flags.writeable)
+
+
+# A small array by value: its bytes in C order (NumPy's own pickle of protocol 4 would do,
+# but loses a non-native byte order: NumPy 2.4 receives '>i8' as int64).
+def rebuild_value(data, dtype, shape, readonly):
+    if isinstance(dtype, str):
+        dtype = _dtype(dtype)
+    if not (type(data) is bytes and isinstance(dtype, np.dtype) and type(shape) is tuple
+            and all(type(n) is int for n in shape)):
+        raise SegmentError(f"malformed array by value: dtype={dtype!r} shape={shape!r}")
+    return _from_bytes(data, 0, dtype, shape, readonly)
 
 
 # offset in the segment, ndim, length of the dtype string, read-only; then the dtype
@@ -108,6 +142,8 @@ def encode_array(a, fds):
     if code is None:
         return None
     mapping, seg = mapping_of(a)
+    if seg is None and a.nbytes <= wire.INBAND_MAX:
+        return _encode_value(a, code)        # small and not shared: by value
     if seg is None:                          # not shared yet: copy once into shared memory
         if get_sharing_strategy() != "file_descriptor":
             return None
@@ -124,8 +160,22 @@ def encode_array(a, fds):
             + _DIMS[n].pack(*a.shape, *a.strides))
 
 
+def _encode_value(a, code):
+    """The frame of a small plain array sent by value: the header (offset 0, C strides),
+    then its bytes in C order; no fd."""
+    n = a.ndim
+    strides, step = [0] * n, a.itemsize
+    for i in range(n - 1, -1, -1):
+        strides[i] = step
+        step *= a.shape[i]
+    return (_HEAD.pack(0, n, len(code), not a.flags.writeable) + code
+            + _DIMS[n].pack(*a.shape, *strides) + a.tobytes())
+
+
 def decode_array(payload, fds):
     """The array of a frame made by ``encode_array`` (the caller closes ``fds``)."""
+    if not fds:
+        return _decode_value(payload)
     try:
         offset, n, k, readonly = _HEAD.unpack_from(payload)
         code = payload[_HEAD.size:_HEAD.size + k]
@@ -142,6 +192,35 @@ def decode_array(payload, fds):
     if n and min(shape) < 0 or dtype.hasobject:
         raise SegmentError(f"malformed array header: dtype={dtype!r} shape={shape!r}")
     return _view(segment.attach_fd(fds[0]), offset, shape, strides, dtype, readonly)
+
+
+def _decode_value(payload):
+    """An array of its own from a frame of ``_encode_value``."""
+    try:
+        offset, n, k, readonly = _HEAD.unpack_from(payload)
+        code = payload[_HEAD.size:_HEAD.size + k]
+        dims = _DIMS[n].unpack_from(payload, _HEAD.size + k)
+    except struct.error:
+        raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
+    if offset:
+        raise ProtocolError("an array frame by value must say offset 0")
+    return _from_bytes(payload, _HEAD.size + k + 16 * n, _dtype(bytes(code)), dims[:n],
+                       readonly)
+
+
+def _from_bytes(data, start, dtype, shape, readonly):
+    """A copy of the array of ``shape`` whose bytes are ``data[start:]``, checked first."""
+    count = 1
+    for d in shape:
+        count *= d
+    if dtype.hasobject or (shape and min(shape) < 0) \
+            or len(data) - start != count * dtype.itemsize:
+        raise ProtocolError(f"array by value of {len(data) - start} bytes does not hold an "
+                            f"array of dtype {dtype} and shape {shape}")
+    a = np.frombuffer(data, dtype, count, start).reshape(shape).copy()
+    if readonly:
+        a.flags.writeable = False
+    return a
 
 
 # dtype string (str or ascii bytes) -> np.dtype, for those seen (parsing costs more than the

@@ -17,7 +17,7 @@ from ...memory import leftovers
 from . import worker
 from . import start
 from .plan import LONG_NAMES, METRIC_UNITS, SYSTEMS, WORKLOADS, counts, make_plan, scaled
-from .plan import make_start_plan, state_dict_shapes
+from .plan import SMALL_RUNS, make_start_plan, state_dict_shapes
 from .report import check_start_targets, check_targets, compute_ratios, fmt_num
 from .worker import MARK, TORCH_SYSTEMS
 
@@ -243,7 +243,10 @@ def _start_runs(w, system, paths, runs, timeout):
     """The figures of ``runs`` runs of program row ``w`` for ``system`` (S1: one more run
     first, untimed), or the failed run's result."""
     figures = []
-    limit = timeout or (60.0 if w["kind"] == "import" else 60.0 + 2.0 * w["n"])
+    limit = timeout or (60.0 if w["kind"] == "import" else 120.0 if w["kind"] == "small" else
+                        60.0 + 2.0 * w["n"])
+    if w["kind"] == "small":
+        runs = max(runs, SMALL_RUNS)
     for k in range(1 + w["n"] if w["kind"] == "import" else runs):
         out, status, tail, _ = run_program(start.commands(w, system, paths, sys.executable),
                                            limit)

@@ -108,6 +108,10 @@ def _start_cell(w, res):
     if w["kind"] == "import":
         heavy = f", with {' '.join(res['heavy'])}" if res.get("heavy") else ""
         return f"{fmt_num(res['ms'])} ({res['modules']} modules{heavy})"
+    if w["kind"] == "small":
+        extra = f"p90 {fmt_num(res['p90_us'])}" if "p90_us" in res else \
+            f"{fmt_num(res['msgs'])}/s" if "msgs" in res else ""
+        return f"{fmt_num(res['us'])}" + (f" ({extra})" if extra else "")
     return fmt_num(res[figure(w)])
 
 
@@ -146,12 +150,30 @@ def _frame_notes(section, ws):
             "Arrow buffers by value): lower is better"]
 
 
+def _small_notes(section, ws):
+    res = section["results"]
+    lines = ["L1-L10: spawn; a fresh script per run, best of at least 3 runs (one CPU or two for "
+             "the two processes changes a round trip 4x);",
+             "    round trips: the median (p90); maps: per item; streams: per message (msg/s), "
+             "from a warm producer that makes each item as it puts it;",
+             "    smp/stdlib time: sharedmp's over the standard library's (L6: the standard "
+             "library's Queue with sharedmp imported, over without): lower is better"]
+    for burst, steady in (("L7", "L8"), ("L9", "L10")):
+        b, s = ((res.get(k) or {}).get("sharedmp") or {} for k in (burst, steady))
+        if b.get("status") == "ok" and s.get("status") == "ok":
+            ratio = s["us"] / b["us"]
+            lines.append(f"    {burst}/{steady}: sharedmp's burst rate is {ratio:.2f}x its steady "
+                         "rate")
+    return lines
+
+
 # The tables of the program rows: (title, its rows' kinds, its systems, ratio title, notes)
 START_TABLES = [
     ("process start", ("import", "pool", "joblib"), ("sharedmp", "stdlib", "loky"),
      "smp/base time", _start_notes),
     ("data frames, one message", ("frame",), ("sharedmp", "stdlib"), "smp/stdlib time",
      _frame_notes),
+    ("small messages", ("small",), ("sharedmp", "stdlib"), "smp/stdlib time", _small_notes),
 ]
 
 

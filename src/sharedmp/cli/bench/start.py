@@ -13,6 +13,14 @@ S5     ``joblib.Parallel(n_jobs=2)`` calls of 10 ``delayed(abs)`` tasks: backend
 S6     ``Parallel(n_jobs=2)`` calls that each pass a fresh 64 MiB torch tensor to 2 tasks
        returning its sum: "sharedmp" (the tensor moves into shared memory once) against
        loky (which pickles it by value into each task).
+L1-L10 small messages (``SMALL_SCRIPT``), spawn, sharedmp's channels against the standard
+       library's (L6: the standard library's ``Queue`` with sharedmp imported against
+       without): a ``Pipe`` ping-pong (median and p90 of 2,000 round trips), a
+       ``ProcessPoolExecutor`` submit + result, executor and ``Pool`` maps of 2,000 arrays,
+       and streams from a warm producer that makes each array (or tensor) as it puts it, a
+       burst of 5,000 and a steady 50,000, timed from the go to the last get. A fresh
+       program per run, the best of at least 3 runs: whether the OS puts the two processes
+       on one CPU or two changes a round trip 4x, from run to run.
 F1-F3  one message through a spawn ``Queue`` to a child that reads its last row (a value of
        each column) and answers: a ``pyarrow.Table`` of 8 float64 columns and 1 string
        column (1,000,000 rows, about 80 MB), the same as a pandas DataFrame
@@ -204,12 +212,174 @@ if __name__ == "__main__":
 """
 
 
+SMALL_SCRIPT = """\
+\"\"\"L rows: small messages one at a time and in streams. argv: system case item n; system
+"sharedmp", "multiprocessing", or "multiprocessing+sharedmp" (the standard library's
+channels with sharedmp imported: its reducers are installed for their pickler too).\"\"\"
+import sys
+if sys.argv[1] == "sharedmp":
+    import sharedmp as lib
+else:
+    import multiprocessing as lib
+    if sys.argv[1] == "multiprocessing+sharedmp":
+        import sharedmp  # noqa: F401  (its reducers, for the standard library's pickler too)
+import concurrent.futures
+import json
+import time
+
+WAIT = 60
+MARK = {mark!r}
+
+
+def echo(x):
+    return x
+
+
+def first(a):
+    return float(a[0])
+
+
+def echo_conn(conn):
+    while True:
+        x = conn.recv()
+        if x is None:
+            return
+        conn.send(x)
+
+
+def make_maker(kind):
+    if kind == "torch":
+        import torch
+        torch.set_num_threads(1)
+        return lambda i: torch.full((256,), float(i))
+    import numpy as np
+    if kind == "int":
+        return lambda i: i
+    return lambda i: np.full(256, float(i), dtype=np.float32)
+
+
+def producer(kind, q, go, n):
+    make = make_maker(kind)
+    go.wait(WAIT)
+    for i in range(n):
+        q.put(make(i))
+    q.put(None)
+
+
+def quantiles(times):
+    times = sorted(times)
+    return {{"us": times[len(times) // 2] * 1e6, "p90_us": times[int(0.9 * len(times))] * 1e6}}
+
+
+def pingpong(ctx, kind, n):
+    make = make_maker(kind)
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=echo_conn, args=(b,), daemon=True)
+    p.start()
+    times = []
+    try:
+        for i in range(n + 1):
+            x = make(i)
+            t0 = time.perf_counter()
+            a.send(x)
+            if not a.poll(WAIT):
+                raise SystemExit("no answer in %d s" % WAIT)
+            a.recv()
+            times.append(time.perf_counter() - t0)
+        a.send(None)
+        p.join(WAIT)
+    finally:
+        if p.is_alive():
+            p.kill()
+    return quantiles(times[1:])          # the first round trip: the child's imports
+
+
+def executor_one(ctx, kind, n):
+    make = make_maker(kind)
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as ex:
+        ex.submit(echo, make(0)).result(WAIT)        # the worker's start, untimed
+        times = []
+        for i in range(n):
+            x = make(i)
+            t0 = time.perf_counter()
+            ex.submit(echo, x).result(WAIT)
+            times.append(time.perf_counter() - t0)
+    return quantiles(times)
+
+
+def executor_map(ctx, kind, n):
+    make = make_maker(kind)
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as ex:
+        list(ex.map(abs, range(4)))                  # the workers' start, untimed
+        arrays = [make(i) for i in range(n)]
+        t0 = time.perf_counter()
+        out = list(ex.map(echo, arrays, timeout=WAIT))
+        seconds = time.perf_counter() - t0
+    assert len(out) == n
+    return {{"us": seconds / n * 1e6}}
+
+
+def pool_map(ctx, kind, n):
+    make = make_maker(kind)
+    with ctx.Pool(2) as pool:
+        pool.map(abs, range(4))
+        arrays = [make(i) for i in range(n)]
+        t0 = time.perf_counter()
+        out = pool.map_async(first, arrays, chunksize=1).get(WAIT)
+        seconds = time.perf_counter() - t0
+    assert out == [float(i) for i in range(n)]
+    return {{"us": seconds / n * 1e6}}
+
+
+def stream(ctx, kind, n):
+    \"\"\"A producer (spawned, warm) makes and puts n arrays; this process gets them.\"\"\"
+    q, go = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=producer, args=(kind, q, go, n), daemon=True)
+    p.start()
+    make_maker(kind)                                 # (this process's imports, untimed)
+    try:
+        time.sleep(0.5)                              # the producer's start, untimed
+        t0 = time.perf_counter()
+        go.set()
+        k = 0
+        while True:
+            x = q.get(timeout=WAIT)
+            if x is None:
+                break
+            x[0], x[-1]
+            k += 1
+        seconds = time.perf_counter() - t0
+        p.join(WAIT)
+    finally:
+        if p.is_alive():
+            p.kill()
+    assert k == n
+    return {{"us": seconds / n * 1e6, "msgs": n / seconds}}
+
+
+CASES = {{"pingpong": pingpong, "executor_one": executor_one, "executor_map": executor_map,
+         "pool_map": pool_map, "stream": stream}}
+
+
+def main(case, kind, n):
+    ctx = lib.get_context("spawn")
+    res = CASES[case](ctx, kind, n)
+    res["n"] = n
+    print(MARK + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+"""
+
+
 def scripts(directory):
     """Write the scripts into ``directory``; {name: path}."""
     texts = {}
     for m in ("sharedmp", "multiprocessing"):
         texts[f"pool_{m}.py"] = POOL_SCRIPT.format(module=m, mark=MARK)
         texts[f"frames_{m}.py"] = FRAME_SCRIPT.format(module=m, mark=MARK)
+    texts["small.py"] = SMALL_SCRIPT.format(mark=MARK)
     # The loky script never imports sharedmp: loky runs as it does without it.
     for backend, line in (("sharedmp", "import sharedmp.joblib  # registers the backend"),
                           ("loky", "")):
@@ -232,6 +402,11 @@ def commands(w, system, paths, python):
         return [python, paths[f"pool_{module}.py"], w["method"], str(w["n"])]
     if w["kind"] == "frame":
         return [python, paths[f"frames_{module}.py"], w["frame"], str(w["rows"]), str(w["n"])]
+    if w["kind"] == "small":
+        if w.get("channel") == "stdlib" and system == "sharedmp":
+            module = "multiprocessing+sharedmp"
+        item = "array" if w["item"] == "torch" and system != "sharedmp" else w["item"]
+        return [python, paths["small.py"], module, w["case"], item, str(w["n"])]
     return [python, paths[f"joblib_{system}.py"], w["calls"], system, str(w["n"])]
 
 
@@ -249,8 +424,8 @@ def parse(w, out):
 
 
 def figure(w):
-    """The key of row ``w``'s figure in its results: "ms" or "seconds", as its unit."""
-    return "ms" if w["unit"] == "ms" else "seconds"
+    """The key of row ``w``'s figure in its results: "ms", "us" or "seconds", as its unit."""
+    return w["unit"] if w["unit"] in ("ms", "us") else "seconds"
 
 
 def summary(w, runs):
@@ -262,6 +437,9 @@ def summary(w, runs):
     if w["kind"] == "frame":
         return {"status": "ok", "ms": min(r["ms"] for r in runs), "n": w["n"],
                 "bytes": runs[-1]["bytes"], "runs_ms": [r["ms"] for r in runs]}
+    if w["kind"] == "small":
+        best = min(runs, key=lambda r: r["us"])
+        return dict(best, status="ok", runs_us=[r["us"] for r in runs])
     seconds = min(r["seconds"] for r in runs)
     return {"status": "ok", "seconds": seconds, "n": w["n"],
             "runs_s": [r["seconds"] for r in runs]}
