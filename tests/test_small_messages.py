@@ -235,3 +235,20 @@ def test_pipe_ping_pong_with_a_child(start_method):
     finally:
         a.close()
         join_or_kill(p)
+
+
+def test_window_is_sized_by_the_first_message_that_makes_flight(monkeypatch):
+    # Reading the memory available costs about 0.5 ms: messages by value never need it.
+    from sharedmp.channels import flow
+    calls = []
+    real = flow.window_bytes
+    monkeypatch.setattr(flow, "window_bytes", lambda: calls.append(1) or real())
+    a, b = mp.Pipe()
+    with a, b:
+        for _ in range(3):
+            a.send((1, np.zeros(10)))
+            b.recv()
+        assert calls == [] and a._window is not None and a._window.limit == 0
+        a.send(np.zeros(100_000))                 # 800 KB copied into shared memory: flight
+        assert mp.is_shared(b.recv())
+        assert calls == [1] and a._window.limit > 0

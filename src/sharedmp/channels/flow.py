@@ -65,8 +65,10 @@ class Window:
     """The flight of one connection end in this process: tokens of messages not yet taken."""
 
     def __init__(self) -> None:
-        self.limit = window_bytes()
-        self.step = max(1, self.limit // 8)
+        # Sized by the first message that makes flight (``_size``): reading the memory
+        # available costs about 0.5 ms, which a channel of small messages by value, that
+        # never needs it, would pay on its first send.
+        self.limit = self.step = 0
         self._uncounted = 0                   # flight of recent messages, below a step
         self._tokens: dict[int, int] = {}     # read end -> bytes it stands for
         self.flight = 0                       # the sum of _tokens' bytes
@@ -85,6 +87,8 @@ class Window:
         if nbytes <= 0:
             return None
         with self._lock:
+            if not self.limit:
+                self._size()
             self._uncounted += nbytes
             if self._uncounted < self.step:
                 return None
@@ -111,8 +115,15 @@ class Window:
         first, without waiting)."""
         if self.flight + self._uncounted + nbytes <= self.limit:
             return True
+        if not self.limit:
+            self._size()
+            return self.room(nbytes)
         self.reap()
         return self.flight + self._uncounted + nbytes <= self.limit
+
+    def _size(self) -> None:
+        self.limit = window_bytes()
+        self.step = max(1, self.limit // 8)
 
     def wait(self) -> None:
         """Once the window is full: block until receivers have taken half of it."""
