@@ -43,7 +43,8 @@ def main(method):
     out.update(numpy_after=type(a).__module__, a=[mp.is_shared(a), float(a.sum())],
                b=[label, mp.is_shared(b), int(b.sum())], waiting_after=_waiting())
     import numpy as np
-    back.put(np.arange(10.0))                      # not shared here: copied once on put()
+    back.put(np.arange(10_000.0))                  # not shared here: copied once on put()
+    #                                              (80 KB: a smaller one travels by value)
     out["back"] = list(q.get(timeout=60))
     p.join(60)
     out["exitcode"] = p.exitcode

@@ -225,7 +225,7 @@ def test_start_plan_counts_and_targets_from_figures():
     tiny = {w["id"]: w for w in plan.make_start_plan(0.02)}
     assert tiny["S1"]["n"] == 3 and tiny["S2"]["n"] == 2 and tiny["S6"]["n"] == 2
     assert tiny["F1"]["n"] == 2 and tiny["F1"]["rows"] == 100_000    # data, not fixed costs
-    assert tiny["L1"]["n"] == tiny["L8"]["n"] == 200                  # L rows: 200 items at least
+    assert tiny["L1"]["n"] == 200 and tiny["L8"]["n"] == 1000      # L rows: 200 items at least
     report = {"start": {"ratios": {"S1": 2.5, "S2": 1.2, "S5": None, "F1": 0.15, "F3": 0.3}}}
     got = {t["workload"]: (t["value"], t["met"]) for t in bench_report.check_start_targets(report)}
     assert got == {"S1": (2.5, False), "S2": (1.2, True), "S5": (None, None),

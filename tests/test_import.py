@@ -39,7 +39,7 @@ def test_arrays_travel_shared_in_a_program_that_imports_numpy_late(start_method,
     # Received in a process without NumPy: NumPy imported on the way, the arrays shared.
     assert got["a"] == [True, 7000.0]
     assert got["b"] == ["in a pickle", True, 30]
-    assert got["back"] == [True, 45.0]          # sent once NumPy is in: shared memory
+    assert got["back"] == [True, 49995000.0]    # sent once NumPy is in: shared memory
     assert "numpy" not in got["waiting_after"]
     assert "sharedmp.reductions.ndarray" not in got["waiting_after"]
     assert got["exitcode"] == 0

@@ -19,7 +19,7 @@ from sharedmp.channels import connection
 from sharedmp.reductions import ndarray
 from sharedmp.reductions.ndarray import STD_BY_VALUE_MAX, decode_array, encode_array
 
-from conftest import TIMEOUT, start_process, join_or_kill
+from conftest import TIMEOUT
 
 import _channel_workers as cw
 
@@ -218,23 +218,6 @@ def test_spin_setting_is_read(monkeypatch):
     monkeypatch.setattr(connection, "_spin", None)
     monkeypatch.setenv("SHAREDMP_SPIN_US", "120")
     assert connection.spin_seconds() == pytest.approx(120e-6)
-
-
-def test_pipe_ping_pong_with_a_child(start_method):
-    # Requests and answers across processes (the path the spin shortens) stay correct.
-    ctx = mp.get_context(start_method)
-    a, b = ctx.Pipe()
-    p = start_process(ctx, cw.echo, b)
-    b.close()
-    try:
-        for i in range(200):
-            a.send(i)
-            assert a.poll(TIMEOUT) and a.recv() == i
-        a.send(None)
-        assert join_or_kill(p) == 0
-    finally:
-        a.close()
-        join_or_kill(p)
 
 
 def test_window_is_sized_by_the_first_message_that_makes_flight(monkeypatch):

@@ -174,14 +174,12 @@ def _encode_value(a, code):
 
 def decode_array(payload, fds):
     """The array of a frame made by ``encode_array`` (the caller closes ``fds``)."""
-    if not fds:
-        return _decode_value(payload)
-    try:
-        offset, n, k, readonly = _HEAD.unpack_from(payload)
-        code = payload[_HEAD.size:_HEAD.size + k]
-        dims = _DIMS[n].unpack_from(payload, _HEAD.size + k)
-    except struct.error:
-        raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
+    offset, n, k, readonly, code, dims = _header(payload)
+    if not fds:                        # by value: its bytes follow the header
+        if offset:
+            raise ProtocolError("an array frame by value must say offset 0")
+        return _from_bytes(payload, _HEAD.size + k + 16 * n, _dtype(bytes(code)), dims[:n],
+                           readonly)
     if len(payload) != _HEAD.size + k + 16 * n:
         raise ProtocolError(f"array frame of {len(payload)} bytes, its header says "
                             f"{_HEAD.size + k + 16 * n}")
@@ -194,18 +192,15 @@ def decode_array(payload, fds):
     return _view(segment.attach_fd(fds[0]), offset, shape, strides, dtype, readonly)
 
 
-def _decode_value(payload):
-    """An array of its own from a frame of ``_encode_value``."""
+def _header(payload):
+    """(offset, ndim, length of the dtype string, read-only, dtype string, shape + strides)
+    of an array frame."""
     try:
         offset, n, k, readonly = _HEAD.unpack_from(payload)
         code = payload[_HEAD.size:_HEAD.size + k]
-        dims = _DIMS[n].unpack_from(payload, _HEAD.size + k)
+        return offset, n, k, readonly, code, _DIMS[n].unpack_from(payload, _HEAD.size + k)
     except struct.error:
         raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
-    if offset:
-        raise ProtocolError("an array frame by value must say offset 0")
-    return _from_bytes(payload, _HEAD.size + k + 16 * n, _dtype(bytes(code)), dims[:n],
-                       readonly)
 
 
 def _from_bytes(data, start, dtype, shape, readonly):
