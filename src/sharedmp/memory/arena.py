@@ -14,6 +14,15 @@ overwrites it), so ``zeros`` needs no fill.
 The current arena is a cache too: once nothing has been carved from it for
 ``cache.idle()`` seconds the allocator keeps only a weak reference to it, so it goes with
 its last array (and is carved further if one still lives when the next array is made).
+
+Under file_system the allocator holds its arena only while it carves from it in a burst
+(its previous carve less than ``segment.PARK_DEFER`` before), and until the cache thread's
+next tick after; otherwise weakly. A named arena is a file in the shm directory, and one
+that no array uses must leave the listing promptly (tests, torch's own among them, wait
+for /dev/shm to empty): its last array gone, the arena is parked (``segment.py``,
+``recycle.py``: the daemon moves it to the pool once no other process holds it), unless it
+was carved from just before (a burst starting): then it stays pending, and the next carve
+revives it (``segment.revive``). A burst pays nothing per array for this.
 """
 from __future__ import annotations
 
@@ -22,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import forks
 from . import cache, segment
@@ -36,11 +45,15 @@ ALIGN = 64
 
 
 class _Arena:
-    __slots__ = ("mapping", "ref", "used", "where", "dirty", "seen", "since")
+    __slots__ = ("mapping", "ref", "used", "where", "dirty", "seen", "since", "seg")
 
-    def __init__(self, kind, where):
-        seg, self.mapping = segment.create(ARENA_SIZE, kind, zero=False)
-        self.ref = weakref.ref(self.mapping)
+    def __init__(self, kind, where, seg, mapping):
+        if kind == "file_system":   # held in bursts only (see the module docstring)
+            self.seg, self.mapping = seg, None
+            self.ref = lambda: seg.mapping()
+        else:
+            self.seg, self.mapping = None, mapping
+            self.ref = weakref.ref(mapping)
         self.used = 0
         self.where = where        # file_system: the directory it lives in
         # A recycled arena keeps its old bytes until the first region that must be zero is
@@ -52,6 +65,7 @@ class _Arena:
 
 
 _current: dict[str, _Arena] = {}              # strategy -> its current _Arena
+_last_named_carve = 0.0                       # (file_system) monotonic time of the last carve
 # strategy -> its last _Arena let go by the cache (mapping None)
 _idle: dict[str, _Arena] = {}
 _lock = threading.Lock()
@@ -64,21 +78,38 @@ def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping,
     memory may keep its old contents."""
     if nbytes >= SMALL_LIMIT:
         return segment.create(nbytes, kind, zero)[1], 0
+    global _last_named_carve
     where = segment.shm_dir() if kind == "file_system" else None
     with _lock:
         arena = _current.get(kind)
         if arena is None:
             arena = _revive(kind)
-        if arena is None or arena.used + nbytes > ARENA_SIZE or arena.where != where:
+        mapping: Any = None
+        if arena is not None:
+            mapping = arena.mapping
+            if mapping is None and arena.seg is not None:   # named: its lease, if any array
+                mapping = arena.seg.mapping()               # views it, or a new one if it
+                if mapping is None:                         # is pending
+                    mapping = segment.revive(arena.seg)
+        if mapping is None or arena.used + nbytes > ARENA_SIZE or arena.where != where:
             # The old arena stays alive as long as arrays carved from it do. A new
             # $SHAREDMP_SHM_DIR takes effect for small arrays too, not only for big ones.
-            arena = _current[kind] = _Arena(kind, where)
+            if arena is not None and arena.seg is not None:
+                segment.abandon(arena.seg)          # parked once no array uses it
+            named = kind == "file_system"
+            seg, mapping = segment.create(ARENA_SIZE, kind, zero=False, revivable=named)
+            arena = _current[kind] = _Arena(kind, where, seg, mapping)
         offset = arena.used
         arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
+        if arena.seg is not None:
+            now = time.monotonic()
+            # held in a burst; weakly otherwise (parked as soon as no array uses it)
+            arena.mapping = mapping if now - _last_named_carve < segment.PARK_DEFER else None
+            arena.seg.carved = _last_named_carve = now
         if zero and arena.dirty:
-            arena.mapping[offset:] = 0
+            mapping[offset:] = 0
             arena.dirty = False
-        return arena.mapping, offset
+        return mapping, offset
 
 
 def _revive(kind):
@@ -100,6 +131,14 @@ def _expire(cutoff):
     now, gone = time.monotonic(), []
     with _lock:
         for kind, arena in list(_current.items()):
+            if arena.seg is not None:       # named: held in a burst; forgotten once parked
+                if not segment.registered(arena.seg):
+                    del _current[kind]
+                elif arena.mapping is not None and (
+                        cutoff is None or now - arena.seg.carved > segment.PARK_DEFER):
+                    gone.append(arena.mapping)      # the burst is over
+                    arena.mapping = None
+                continue
             if cutoff is not None and arena.used != arena.seen:
                 arena.seen, arena.since = arena.used, now
             elif cutoff is None or arena.since < cutoff:
@@ -110,7 +149,7 @@ def _expire(cutoff):
                 arena.mapping = None
                 del _current[kind]
                 _idle[kind] = arena
-        left = bool(_current)
+        left = any(a.mapping is not None for a in _current.values())
     del gone[:]                   # the last reference of an arena no array uses: released here
     return left
 
@@ -118,7 +157,8 @@ def _expire(cutoff):
 def _held():
     """(bytes, fds) of the current arenas that no array uses (only the allocator holds them)."""
     # (<= 2: a's own reference and the call's)
-    idle = [a.mapping for a in list(_current.values()) if sys.getrefcount(a.mapping) <= 2]
+    idle = [a.mapping for a in list(_current.values())
+            if a.mapping is not None and sys.getrefcount(a.mapping) <= 2]
     return segment.held_by([s for s in map(segment.segment_of, idle) if s is not None])
 
 
@@ -131,7 +171,8 @@ def stray_segment_fds():
     what a leak check counts."""
     keep = set()
     for a in list(_current.values()) + list(_idle.values()):
-        seg = segment.segment_of(a.ref())
+        seg = a.seg if a.seg is not None and segment.registered(a.seg) else \
+            segment.segment_of(a.ref())
         try:
             if seg is not None and seg.fd >= 0:
                 st = os.fstat(seg.fd)
@@ -157,7 +198,8 @@ def stray_segment_fds():
 
 def is_current(mapping):
     """Whether ``mapping`` is the current arena of some strategy (kept alive by the allocator)."""
-    return any(a.mapping is mapping for a in list(_current.values()))
+    return any(a.mapping is mapping or (a.seg is not None and a.ref() is mapping)
+               for a in list(_current.values()))
 
 
 @forks.in_child

@@ -3,8 +3,12 @@
 sharedmp keeps three caches of shared memory, each a loan from the user:
 
     arena.py     the current arena of each strategy, which the allocator keeps carving
-    segment.py   the few small segments received last, kept mapped (``_recent``)
-    recycle.py   memfd segments this process made, kept mapped for reuse (the pool)
+    segment.py   the few small segments received last, kept mapped (``_recent``); and the
+                 named arenas whose last array went during a burst ("pending", parked at
+                 the next tick)
+    recycle.py   segments this process made, kept mapped for reuse (the pool): memfds, and
+                 named segments parked with the manager daemon (out of the shm directory's
+                 listing once free)
 
 and one of processes, when ``sharedmp.joblib`` is used: the joblib backend's warm pool of
 workers ("joblib-pool"), kept between ``Parallel`` calls for its own idle timeout.

@@ -11,11 +11,20 @@ Protocol. A client connects to the UNIX socket (in a private 0700 directory) and
 never waiting for an answer, one line each, ``<op> <path>``:
 
     C  created: this client holds the segment (sent before the file is made)
-    H  holds: a fork child maps what it inherited
+    H  holds: a fork child maps what it inherited; ``H <path>\0<inode>``: a receiver maps it,
+       from a message that carried the token whose pipe has this inode (see ``t``)
     S  sent: one more reference in flight (pickled for a channel)
     R  received: this client holds it, and one in-flight reference is consumed
     D  dropped: this client no longer maps it
     F  forget: this client does not hold it after all (a name that was taken), never unlink
+    P  ``P <path>\0<next>``: parked. The client made the segment and keeps it for reuse (its
+       own views of it are gone); ``next`` is the name it will have when reused, held by the
+       client from now on. Once no other client holds the segment and no reference to it is
+       in flight (the rule of two passes below), the daemon renames it to ``next``'s name in
+       the pool directory, ``<dir>/.sharedmp-pool-<daemon pid>/`` (0700, same filesystem):
+       it leaves the directory's listing, and the client, which reuses it by renaming it
+       back to ``next`` (a rename that fails: not free yet), needs no answer. A later
+       ``C``/``H``/``R`` of the parker (it maps it again) or its ``D``/``F`` cancels the park.
     T  ``T <id> <path>\0<path>...``: a new token ``id`` of the client, passed with the record
        (SCM_RIGHTS: the read end of a pipe whose write end travels in the messages), and one
        more reference in flight for each path, held by it. When every copy of the write
@@ -24,19 +33,29 @@ never waiting for an answer, one line each, ``<op> <path>``:
     t  ``t <id> <path>\0<path>...``: the same for a token already passed. The pipe and the
        socket are read in no set order, so this may be read after the token's end: its
        messages are gone by then (a receiver says ``H`` before it closes its copy), and
-       these references are not counted.
-    ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight> <tokens>``
-       (diagnostics; tokens: the open ones, and the ids clients may still use)
+       these references are not counted. A client says ``t`` once per token and path: the
+       reference is that of the first message naming the path, and the receiver's ``H``
+       with the token's inode ends it at once (a fresh segment per message is free as soon
+       as it is received and let go, not only once its token ends).
+    u  ``u <id> <path>\0...``: a second message on the token names these paths: their
+       references are held until the token's end (``H`` no longer ends them), counted
+       again if one ended already. Said before that message is sent, so before any ``H``
+       it causes: whatever made a segment look free is undone by the confirming read.
+    ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight> <tokens>
+       <pooled>`` (diagnostics; tokens: the open ones, and the ids clients may still use;
+       pooled: names held for reuse, ``P``)
 
-A segment is unlinked when no client holds it and no reference is in flight. A client
-that disconnects (exit, SIGKILL) drops what it held. In-flight references belong to no
+A segment is unlinked when no client holds it and no reference is in flight (a pooled one
+under both its names). A client that disconnects (exit, SIGKILL) drops what it held: its
+parked and pooled segments too. In-flight references belong to no
 client: a sender may exit as soon as its message is in the kernel.
 
 Ordering. Records of one client are applied in order. Records of different clients are
 not ordered by the kernel, and a receiver's ``R``/``D`` may be read before the sender's
 ``C``/``S`` that preceded them in time: in-flight counts may go negative for a moment, and
-a segment whose count reaches zero is unlinked only if it is still zero after one more
-pass that reads every client (anything written before the zero was read is read by then).
+a segment whose count reaches zero is unlinked (or, parked, moved to the pool) only if it
+is still zero after one more read of every client (anything written before the zero was
+read is read by then). That read is made at once, in the same pass.
 
 How it fails:
 - A client SIGKILLed mid-message: on a sharedmp channel the kernel closes its copy of the
@@ -62,6 +81,7 @@ import re
 import resource
 import selectors
 import socket
+import stat
 import struct
 import sys
 import time
@@ -72,19 +92,31 @@ STARTUP = 2.0          # seconds to wait for the first client
 PASS_DELAY = 0.002     # sleep between passes: clients' records batch up instead of waking us each
 MAX_LINE = 1 << 20     # a T record names every segment of a message
 MAX_FDS = 253
+POOL_DIR = ".sharedmp-pool-%d"   # (manager.py keeps a copy: the pool directory, by daemon pid)
 _CMSG = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
 class Segment:
-    __slots__ = ("holders", "inflight", "fd")
+    __slots__ = ("holders", "inflight", "fd", "parked", "alias")
 
     def __init__(self):
         self.holders = set()
         self.inflight = 0
         self.fd = -1
+        self.parked = None         # (client, next path): parked by its creator (``P``)
+        self.alias = None          # the pool path of a name held for reuse (``P``'s next)
 
     def unused(self):
         return not self.holders and self.inflight <= 0
+
+    def free(self):
+        """Parked, and no one but the parker holds it nor is a reference in flight."""
+        return (self.parked is not None and self.inflight <= 0 and len(self.holders) == 1
+                and self.parked[0] in self.holders)
+
+    def unpark(self, client):
+        if self.parked is not None and self.parked[0] is client:
+            self.parked = None
 
 
 class Client:
@@ -101,12 +133,15 @@ class Client:
 
 
 class Token:
-    __slots__ = ("fd", "paths", "client", "ident")
+    __slots__ = ("fd", "paths", "client", "ident", "ino")
 
     def __init__(self, fd, client, ident):
         self.fd = fd
-        self.paths = []
+        # path -> its references in flight: [count, held]; not held, one reference is that
+        # of one message, ended by the receiver's ``H`` (see ``t``)
+        self.paths = {}
         self.client, self.ident = client, ident
+        self.ino = None                  # its pipe's inode (what receivers name in ``H``)
 
 class Daemon:
     def __init__(self, listener, path):
@@ -118,7 +153,15 @@ class Daemon:
         self.clients = {}          # fd -> Client
         self.segments = {}         # path -> Segment
         self.candidates = set()    # paths found unused at the end of the previous pass
+        self.free = set()          # parked paths found free at the end of the previous pass
+        self.parked = set()        # paths parked (``P``), maybe no longer
+        self.pool_dirs = set()     # pool directories made (removed at exit)
         self.tokens = {}           # read end fd -> Token
+        self.by_ino = {}           # pipe inode -> Token (see ``H``)
+        # (pipe inode, path) of the ``H`` read before the ``t`` it ends (clients are read in no
+        # set order): this read of every client and the one before (the ``t`` was written
+        # before the ``H``, so the next read finds it)
+        self.early, self.early_before = set(), set()
         self.seen_client = False
         self.started = time.monotonic()
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -137,11 +180,24 @@ class Daemon:
         if op in (b"T", b"t"):
             self._carry(client, path, op == b"T")
             return
-        if not (os.path.isabs(path) and NAME_RE.match(os.path.basename(path))):
+        if op == b"P":
+            self._park(client, *path.partition("\0")[::2])
+            return
+        if op == b"u":
+            self._hold(client, path)
+            return
+        if not _ours(path.partition("\0")[0] if op == b"H" else path):
             return                                   # not a sharedmp segment: never touch it
         if op in (b"C", b"H"):
-            self._segment(path, True).holders.add(client)
+            path, _, ino = path.partition("\0")
+            if not _ours(path):
+                return
+            seg = self._segment(path, True)
+            seg.holders.add(client)
+            seg.unpark(client)
             client.holds.add(path)
+            if ino:
+                self._received(path, ino)
         elif op == b"S":
             seg = self._segment(path, True)
             seg.inflight += 1
@@ -158,14 +214,36 @@ class Daemon:
             seg = self._segment(path, True)
             seg.inflight -= 1
             seg.holders.add(client)
+            seg.unpark(client)
             client.holds.add(path)
         elif op in (b"D", b"F"):
             seg = self._segment(path, False)
             client.holds.discard(path)
             if seg is not None:
                 seg.holders.discard(client)
+                seg.unpark(client)
                 if op == b"F" and seg.unused():
                     self._forget(path)
+
+    def _park(self, client, path, nxt):
+        """``P``: the creator keeps ``path`` for reuse as ``nxt`` once no one else can see it."""
+        if not (_ours(path) and _ours(nxt)) or path == nxt \
+                or os.path.dirname(path) != os.path.dirname(nxt):
+            return
+        seg = self.segments.get(path)
+        if seg is None or client not in seg.holders:
+            return                                   # only a holder (its creator) parks
+        target = self.segments.get(nxt)
+        if target is None:
+            target = self.segments[nxt] = Segment()
+            target.alias = os.path.join(os.path.dirname(nxt), POOL_DIR % os.getpid(),
+                                        os.path.basename(nxt))
+            target.holders.add(client)
+            client.holds.add(nxt)
+        elif target.alias is None or target.holders != {client}:
+            return                                   # a name in use: not a name to reuse
+        seg.parked = (client, nxt)
+        self.parked.add(path)
 
     def _carry(self, client, rest, new):
         ident, _, paths = rest.partition(" ")
@@ -180,11 +258,62 @@ class Daemon:
                 os.set_blocking(token.fd, False)
                 self.tokens[token.fd] = token
                 self.sel.register(token.fd, selectors.EVENT_READ, token)
+                try:
+                    token.ino = os.fstat(token.fd).st_ino
+                    self.by_ino[token.ino] = token
+                except OSError:
+                    pass
             client.tokens[ident] = token
         for path in paths.split("\0"):
-            if os.path.isabs(path) and NAME_RE.match(os.path.basename(path)):
+            if _ours(path):
+                if token.ino is not None and path not in token.paths and self._early(token, path):
+                    continue                       # received already (its ``H`` came first)
                 self.apply(client, b"S", path)
-                token.paths.append(path)
+                refs = token.paths.get(path)
+                if refs is None:
+                    token.paths[path] = [1, False]
+                else:                              # (two messages: held to the end)
+                    refs[0] += 1
+                    refs[1] = True
+
+    def _hold(self, client, rest):
+        """``u``: these paths' references on the token are held until its end."""
+        ident, _, paths = rest.partition(" ")
+        token = client.tokens.get(ident)
+        if token is None:
+            return                                 # ended: its messages are gone
+        for path in paths.split("\0"):
+            if _ours(path):
+                refs = token.paths.get(path)
+                if refs is None:
+                    self.apply(client, b"S", path)
+                    token.paths[path] = [1, True]
+                else:
+                    refs[1] = True
+
+    def _received(self, path, ino):
+        """A message of the token of pipe inode ``ino`` naming ``path`` was received."""
+        try:
+            token = self.by_ino.get(int(ino))
+        except ValueError:
+            return
+        refs = token.paths.get(path) if token is not None else None
+        if refs is None:
+            self.early.add((int(ino), path))
+        elif refs == [1, False]:
+            del token.paths[path]
+            seg = self.segments.get(path)
+            if seg is not None:
+                seg.inflight -= 1
+
+    def _early(self, token, path):
+        """Whether a receiver's ``H`` of this token and path was read first (see ``early``)."""
+        key = (token.ino, path)
+        for early in (self.early, self.early_before):
+            if key in early:
+                early.discard(key)
+                return True
+        return False
 
     def end_token(self, token):
         """The token's pipe is readable: at its end, its references in flight end."""
@@ -197,14 +326,16 @@ class Daemon:
             pass
         self.sel.unregister(token.fd)
         del self.tokens[token.fd]
+        if token.ino is not None and self.by_ino.get(token.ino) is token:
+            del self.by_ino[token.ino]
         os.close(token.fd)
         if token.client.tokens.get(token.ident) is token:
             del token.client.tokens[token.ident]
-        for path in token.paths:
+        for path, (count, _) in token.paths.items():
             seg = self.segments.get(path)
             if seg is not None:
-                seg.inflight -= 1
-        token.paths = []
+                seg.inflight -= count
+        token.paths = {}
 
     def _forget(self, path):
         seg = self.segments.pop(path)
@@ -213,11 +344,49 @@ class Daemon:
             self.held_fds -= 1
 
     def _unlink(self, path):
+        seg = self.segments.get(path)
         self._forget(path)
+        for p in (path, seg.alias) if seg.alias else (path,):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+    def _move(self, path):
+        """A parked segment is free: to the pool, under the name its creator reuses it by."""
+        seg = self.segments[path]
+        client, nxt = seg.parked
+        target = self.segments.get(nxt)
+        seg.parked = None
+        if target is None or target.alias is None or client not in target.holders:
+            return
+        for attempt in (0, 1):
+            try:
+                os.rename(path, target.alias)
+                break
+            except FileNotFoundError:        # no pool directory yet (or no file: given up)
+                if attempt or not self._pool_dir(os.path.dirname(target.alias)):
+                    return
+            except OSError:
+                return
+        self._forget(path)
+        client.holds.discard(path)
+
+    def _pool_dir(self, d):
+        """Make the pool directory ``d`` (0700), or check that it is ours: whether it is."""
         try:
-            os.unlink(path)
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            try:
+                st = os.lstat(d)
+            except OSError:
+                return False
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != self.uid:
+                return False                 # not ours (sticky /dev/shm): never move into it
         except OSError:
-            pass
+            return False
+        self.pool_dirs.add(d)
+        return True
 
     # -- connections -----------------------------------------------------------------
     def accept(self):
@@ -276,6 +445,7 @@ class Daemon:
             seg = self.segments.get(path)
             if seg is not None:
                 seg.holders.discard(client)
+                seg.unpark(client)
         client.holds.clear()
         client.tokens.clear()                # (its tokens live on in the messages)
         while client.fds:
@@ -312,27 +482,52 @@ class Daemon:
                     stats = (len(self.clients), len(self.segments),
                              sum(max(s.inflight, 0) for s in self.segments.values()),
                              len({*self.tokens.values(),
-                                  *(t for c in self.clients.values() for t in c.tokens.values())}))
+                                  *(t for c in self.clients.values() for t in c.tokens.values())}),
+                             sum(s.alias is not None for s in self.segments.values()))
                     try:
-                        client.sock.sendall(b"STATS %d %d %d %d\n" % stats)
+                        client.sock.sendall(b"STATS %d %d %d %d %d\n" % stats)
                     except OSError:
                         return False
                     continue
                 self.apply(client, op, os.fsdecode(path))
 
-    def one_pass(self):
-        """Read every client (ready or not), then unlink what stayed unused for two passes."""
+    def read_all(self):
+        self.early_before, self.early = self.early, set()
         for client in list(self.clients.values()):
             if not self.read(client):
                 self.drop(client)
+
+    def idle(self):
+        """(paths unused, parked paths free) now."""
         unused = {p for p, s in self.segments.items() if s.unused()}
+        free = set()
+        for p in list(self.parked):
+            seg = self.segments.get(p)
+            if seg is None or seg.parked is None:
+                self.parked.discard(p)
+            elif seg.free():
+                free.add(p)
+        return unused, free
+
+    def one_pass(self):
+        """Read every client (ready or not); then unlink what is unused, and move to the pool
+        what is parked and free, if it was so after the previous read too. Paths newly seen
+        so are confirmed by one more read at once."""
+        self.read_all()
+        unused, free = self.idle()
+        if not (unused <= self.candidates and free <= self.free):
+            self.candidates, self.free = unused, free
+            self.read_all()
+            unused, free = self.idle()
         for path in unused & self.candidates:
             self._unlink(path)
-        self.candidates = unused - self.candidates
+        for path in free & self.free:
+            self._move(path)
+        self.candidates, self.free = unused - self.candidates, free - self.free
 
     def run(self):
         while True:
-            timeout = 0.005 if self.candidates else 0.5
+            timeout = 0.005 if self.candidates or self.free else 0.5
             for key, _ in self.sel.select(timeout):
                 if key.fileobj is self.listener:
                     self.accept()
@@ -377,6 +572,16 @@ class Daemon:
         self.listener.close()
         for path in list(self.segments):
             self._unlink(path)
+        for d in self.pool_dirs:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def _ours(path):
+    """Whether ``path`` names a sharedmp segment (an absolute path, a segment's name)."""
+    return os.path.isabs(path) and NAME_RE.match(os.path.basename(path)) is not None
 
 
 def _spare():

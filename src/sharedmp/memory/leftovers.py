@@ -7,13 +7,17 @@ and which files of a shared-memory directory are in use.
 A file is *in use* while some process maps it (``/proc/*/maps``) or holds an fd to it
 (``/proc/*/fd``). A ``sharedmp_*`` file of this user that nobody uses is a *leftover* of
 processes that are all gone (killed before they could unlink it): ``find_leftovers`` lists
-them, ``clean`` removes them (``python -m sharedmp doctor --clean``).
+them, ``clean`` removes them (``python -m sharedmp doctor --clean``). So are those in the
+pool directories (``.sharedmp-pool-<daemon pid>``, ``recycle.py``) of the directory, where
+the manager daemon keeps the segments its clients made for reuse; a pool directory left
+empty by a daemon that is gone is removed with its last leftover.
 
 Without /proc nothing can be called a leftover: nothing is ever removed then.
 """
 from __future__ import annotations
 
 import os
+import re
 import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
 from .segment import NAME_RE, PREFIX
+
+POOL_RE = re.compile(r"\.sharedmp-pool-(\d+)\Z")   # manager.POOL_DIR's names
 
 # What /proc shows for a memfd segment (segment.py names its memfds "sharedmp").
 MEMFD_TARGET = "/memfd:sharedmp (deleted)"
@@ -182,9 +188,12 @@ def _stat(path: str) -> os.stat_result | None:
 
 
 def in_use(paths: Iterable[str]) -> set[str]:
-    """The ``paths`` (any files, e.g. in /dev/shm) that some live process maps or holds open;
-    all of them without /proc, where it cannot be told."""
+    """The ``paths`` (any files, e.g. in /dev/shm) that some live process maps or holds open,
+    and the pool directories of live daemons; all of them without /proc, where it cannot be
+    told."""
     paths = set(paths)
+    pools = {p for p in paths if (m := POOL_RE.match(os.path.basename(p)))
+             and _alive(int(m.group(1)))}
     by_name: dict[str, list[str]] = {}
     by_inode = {}
     for p in paths:
@@ -193,7 +202,7 @@ def in_use(paths: Iterable[str]) -> set[str]:
         if st is not None:
             by_inode[(st.st_dev, st.st_ino)] = p
     used, _ = _users(_Files(by_name, by_inode))
-    return paths if used is None else used
+    return paths if used is None else used | pools
 
 
 # ---------------------------------------------------------------------------- leftovers
@@ -202,21 +211,42 @@ def candidates(directory: str) -> dict[str, tuple[str, os.stat_result]]:
     """{name: (path, stat)} of the segment files in ``directory`` this user may remove."""
     out: dict[str, tuple[str, os.stat_result]] = {}
     uid = os.getuid()
+    for d in [directory, *pool_dirs(directory)]:
+        try:
+            entries = os.scandir(d)
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                if not NAME_RE.match(entry.name):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and (uid == 0 or st.st_uid == uid):
+                    out[entry.name] = (entry.path, st)
+    return out
+
+
+def pool_dirs(directory: str) -> list[str]:
+    """The pool directories of this user in ``directory`` (see the module docstring)."""
+    out: list[str] = []
+    uid = os.getuid()
     try:
-        entries = os.scandir(directory)
+        names = os.listdir(directory)
     except OSError:
         return out
-    with entries:
-        for entry in entries:
-            if not NAME_RE.match(entry.name):
-                continue
+    for name in names:
+        if POOL_RE.match(name):
+            path = os.path.join(directory, name)
             try:
-                st = entry.stat(follow_symlinks=False)
+                st = os.lstat(path)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode) and (uid == 0 or st.st_uid == uid):
-                out[entry.name] = (entry.path, st)
-    return out
+            if stat.S_ISDIR(st.st_mode) and (uid == 0 or st.st_uid == uid):
+                out.append(path)
+    return sorted(out)
 
 
 def scan_proc(found: Mapping[str, tuple[str, os.stat_result]]
@@ -280,7 +310,24 @@ def remove(entries: Iterable[Leftover]) -> list[Leftover]:
         except OSError:
             continue
         removed.append(entry)
+        parent = os.path.dirname(entry[0])
+        m = POOL_RE.match(os.path.basename(parent))
+        if m and not _alive(int(m.group(1))):
+            try:
+                os.rmdir(parent)              # (once empty: the daemon is gone)
+            except OSError:
+                pass
     return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def clean(directory: str, min_age: float = 0.0, strict: bool = False) -> list[str]:

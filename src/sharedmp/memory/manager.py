@@ -8,7 +8,9 @@ daemon of its program and tells it, without waiting for an answer, what it holds
     received(path)   a message's name was attached    R  (holds it; consumes one)
     dropped(path)    the last view here died          D
     forget(path)     the name was taken by another    F
-    Tokens.carry()   a sharedmp channel's message     T  (references in flight, held by a token)
+    parked(path, n)  its creator keeps it for reuse   P  (as ``n``, once free: see recycle.py)
+    Tokens.carry()   a sharedmp channel's message     T/t (references in flight, held by a
+                                                      token), u (a name a message named before)
 
 Records go out in order on one socket; a record posted from a finalizer (``dropped``)
 never blocks on the lock: a thread holding it sends what is queued before it leaves.
@@ -20,7 +22,10 @@ channel end keeps one token for its messages (``Tokens``: ``ROTATE`` s, at most
 every copy of the write end once the channel end has let go and each message that carries
 it can no longer be received (read: the receiver told the daemon it holds the names, ``H``,
 before; the channel destroyed unread; the sender died before sending). The daemon sees the
-end of the pipe and drops the references. Elsewhere (a standard channel, spawn arguments)
+end of the pipe and drops the references. A receiver that maps a name anew says so with
+the token's pipe inode (``holds``): the reference of that message ends at once, so that a
+segment sent once is free as soon as its receivers let go (its creator reuses it, see
+recycle.py), not only when the token ends. Elsewhere (a standard channel, spawn arguments)
 ``sent`` counts one reference that the receiver's ``received`` consumes.
 
 Which daemon: the one named by ``$SHAREDMP_MANAGER`` (inherited from the process that
@@ -31,10 +36,12 @@ that refuses this process is a ``ManagerError`` that says what to do.
 """
 import array
 import collections
+import errno
 import itertools
 import os
 import select
 import socket
+import stat
 import sys
 import threading
 import time
@@ -58,6 +65,7 @@ _daemon: "tuple[int, str] | None" = None  # (pid, socket path) of the daemon we 
 _popen = None                   # the daemon, if this process started it
 _generation = 0                 # counts connections made: a token belongs to one of them
 _MAX_FDS = 250                  # fds passed in one sendmsg (SCM_MAX_FD is 253)
+POOL_DIR = ".sharedmp-pool-%d"  # where the daemon (of this pid) moves parked segments once free
 
 
 class _Gone(Exception):
@@ -253,8 +261,19 @@ def received(path: str) -> None:
     _post(b"R", path)
 
 
-def holds(path: str) -> None:
+def holds(path: str, token: int = -1) -> None:
+    """This process maps ``path`` now; ``token``: the token fd of the message that named it
+    (its reference in flight ends here, if it was that message's alone: see daemon.py)."""
     ensure()
+    if token >= 0:
+        try:
+            st = os.fstat(token)
+        except OSError:
+            pass
+        else:
+            if stat.S_ISFIFO(st.st_mode):
+                _post(b"H", os.fsencode(path) + b"\0%d" % st.st_ino)
+                return
     _post(b"H", path)
 
 
@@ -262,6 +281,55 @@ def dropped(path: str) -> None:
     """From a finalizer: never blocks on the lock, never raises."""
     if _sock is not None:
         _post(b"D", path, wait=False)
+
+
+def parked(path: str, nxt: str) -> bool:
+    """The creator keeps ``path`` for reuse under the name ``nxt`` (held from now on): the
+    daemon moves it to ``pool_path(nxt)`` once no one else holds it. From a finalizer: never
+    blocks on the lock, never raises; whether the record could be sent."""
+    if _sock is None or _dead is not None:
+        return False
+    _post(b"P", os.fsencode(path) + b"\0" + os.fsencode(nxt), wait=False)
+    return _dead is None
+
+
+def generation() -> int:
+    """Counts the connections this process made to a daemon (pooled names belong to one)."""
+    return _generation
+
+
+def pool_path(path: str) -> str:
+    """Where the daemon puts the segment to be reused as ``path`` (see ``parked``)."""
+    directory, _, name = path.rpartition("/")
+    return f"{directory}/{POOL_DIR % _daemon[0]}/{name}"  # type: ignore[index]
+
+
+_checked = 0.0                  # monotonic time of the last ``check``
+CHECK_EVERY = 0.05
+
+
+def check() -> None:
+    """ManagerError if the daemon has gone (it never writes to a client after the hello: a
+    readable connection is one it closed). One poll (at most every ``CHECK_EVERY`` s), no
+    record: before a segment is reused without telling the daemon."""
+    global _checked
+    now = time.monotonic()
+    if now - _checked < CHECK_EVERY and _dead is None and _sock is not None:
+        return
+    _checked = now
+    if _dead is None and _sock is not None:
+        try:
+            gone = bool(select.select([_sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            gone = True
+        if gone:
+            with _lock:
+                if _sock is not None:
+                    _lost(ConnectionResetError(errno.ECONNRESET, "connection reset by the daemon"))
+    if _dead is not None:
+        raise ManagerError(_dead)
+    if _sock is None:
+        ensure()
 
 
 # A channel end keeps its token for ROTATE seconds of sends (then the next message opens a
@@ -280,12 +348,13 @@ class _Token:
     clears the weak references, so a thread could take a dying token back with its fd
     already closed (and later send whatever file reused the number)."""
 
-    __slots__ = ("fd", "id", "generation", "opened", "used", "paths", "__weakref__")
+    __slots__ = ("fd", "id", "generation", "opened", "used", "paths", "held", "__weakref__")
 
     def __init__(self, fd, ident, now):
         self.fd, self.id, self.generation = fd, ident, _generation
         self.opened = self.used = now
         self.paths = set()              # the names the daemon knows it holds in flight
+        self.held = set()               # those named by more than one message (``u``)
         weakref.finalize(self, _close_unless_forked, [fd], os.getpid())
 
 
@@ -345,6 +414,14 @@ class Tokens:
                 token.paths.update(new)
                 # (``t``: a token the daemon has, or has seen end; see daemon.py)
                 _post(b"t", b"%d " % token.id + b"\0".join(map(os.fsencode, new)))
+            if len(new) < len(paths):
+                # Named by a message before: no receiver's ``H`` may end the reference now
+                # (it would be the other message's). Once per token and name.
+                again = [p for p in paths if p not in token.held and p not in new]
+                if again:
+                    token.held.update(again)
+                    _holding.add(self)
+                    _post(b"u", b"%d " % token.id + b"\0".join(map(os.fsencode, again)))
             token.used = now
             return token.fd, token
 
@@ -391,8 +468,21 @@ class Tokens:
                 self._current = None
             return self._current is not None or bool(self._open)
 
+    def let_go(self, path: str) -> None:
+        """Let go of the current token if more than one of its messages named ``path`` (a
+        segment its creator parks: then free once those messages are taken, not only once
+        the token would rotate). Never blocks: called from finalizers."""
+        token = self._current
+        if token is not None and path in token.held and self._lock.acquire(False):
+            try:
+                if self._current is token:
+                    self._current = None
+            finally:
+                self._lock.release()
+
     def _after_fork(self):
         """(in a forked child) The parent's token is the parent's: close the copies."""
+        _holding.discard(self)
         self._lock = threading.Lock()
         if self._current is not None:
             os.close(self._current.fd)
@@ -403,6 +493,18 @@ class Tokens:
 
 
 _all_tokens: "weakref.WeakSet[Tokens]" = weakref.WeakSet()
+
+
+# The Tokens whose tokens hold some name to their end (``u``): those ``let_go`` looks at
+_holding: "weakref.WeakSet[Tokens]" = weakref.WeakSet()
+
+
+def let_go(path: str) -> None:
+    """A segment this process made is parked: let go of the tokens that hold it to their end
+    (see ``Tokens.let_go``)."""
+    if _holding:
+        for tokens in list(_holding):
+            tokens.let_go(path)
 
 
 def _expire_tokens(cutoff):
@@ -446,8 +548,9 @@ def daemon_pid():
 
 
 def stats(path=None):
-    """{"clients", "segments", "in_flight", "tokens"} of the daemon at ``path`` (default: ours),
-    on a connection of its own; the segments are those the daemon has not unlinked yet."""
+    """{"clients", "segments", "in_flight", "tokens", "pooled"} of the daemon at ``path``
+    (default: ours), on a connection of its own; the segments are those the daemon has not
+    unlinked yet (pooled: names held for reuse, see ``parked``)."""
     path = path or address()
     s, _ = _hello(path)
     try:
@@ -461,8 +564,9 @@ def stats(path=None):
             reply += chunk
     finally:
         s.close()
-    clients, segments, in_flight, tokens = (int(x) for x in reply.split()[1:5])
-    return {"clients": clients - 1, "segments": segments, "in_flight": in_flight, "tokens": tokens}
+    clients, segments, in_flight, tokens, *pooled = (int(x) for x in reply.split()[1:6])
+    return {"clients": clients - 1, "segments": segments, "in_flight": in_flight, "tokens": tokens,
+            "pooled": pooled[0] if pooled else 0}
 
 
 def find_daemons():

@@ -19,6 +19,17 @@ it. Names are unlinked by the manager daemon (``manager.py``, ``daemon.py``) onc
 process holds them and no message carries them, never by a process that merely
 attached (the mistake of CPython 3.11's shared_memory, gh-82300).
 
+A named segment this process created is viewed through a lease too. When the lease goes,
+the segment is *parked* (``recycle.give_named``; the daemon moves it out of the directory's
+listing once no one else holds it, and it is reused under a new name). An arena
+(``create(revivable=True)``) is not parked at once if it was carved from within the last
+``PARK_DEFER`` seconds: a stream that drops each array after sending it would otherwise
+park its arena, and move to another, for every message. It stays *pending* (registered,
+its name unchanged, no record sent): the allocator's next carve revives it (``revive``: a
+new lease), or the cache thread parks it at its next tick. A segment carved from once and
+dropped later (a tensor sent, received and dropped, as torch's own tests do) is parked at
+once, and gone from the listing a few milliseconds later.
+
 Memory is reserved when the segment is made (``posix_fallocate``): running out raises
 ``OutOfSharedMemory`` here, instead of SIGBUS at the first touch of a page. memfd
 segments are sealed against shrinking and growing, so no peer can truncate one under
@@ -77,26 +88,31 @@ class Segment:
     """What this process knows of one segment; the mapping itself is held by the arrays."""
 
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
-                 "recycle", "dirty", "hot", "idle_since", "__weakref__")
+                 "recycle", "dirty", "hot", "idle_since", "revivable", "carved", "pending",
+                 "__weakref__")
 
     def __init__(self, kind: str, key: Any, size: int, fd: int, name: str | None,
                  mm: SegmentMapping, owner: bool, path: str | None = None,
-                 recycle: tuple[mmap.mmap, int] | None = None) -> None:
+                 recycle: tuple[mmap.mmap, int] | None = None,
+                 address: int | None = None) -> None:
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
         self.fd = fd              # kept (memfd) so that this process can send it on; -1 if none
         self.name = name
         # where a named segment was made or found (the directory may change)
-        # where a named segment was made or found (the directory may change)
         self.path = path
         self.owner_pid = os.getpid() if owner else None
         self.mapping = weakref.ref(mm)
-        self.address = _address(mm)
-        self.recycle = recycle    # (mmap, private fd) of a memfd segment this process made
+        self.address = _address(mm) if address is None else address
+        # (mmap, private fd) of a memfd segment this process made; (mmap, -1) of a named one
+        self.recycle = recycle
         self.dirty = False        # recycled and not zeroed (create(zero=False)): old bytes in it
         self.hot = False          # attached again since the cache last looked (``_recent``)
         self.idle_since = None    # unused since then (a cached arena let go): the pool's clock
+        self.revivable = False    # named, made here: an arena, revived after its lease went
+        self.carved = 0.0         # (revivable) monotonic time of the last carve
+        self.pending = False      # (revivable) its lease went, not parked yet: ``revive``
 
     def __repr__(self) -> str:
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
@@ -118,6 +134,10 @@ _addresses: list[int] = []
 # once no message has used them for ``cache.idle()`` seconds.
 KEEP_RECENT = 4
 KEEP_RECENT_MAX_SIZE = 4 << 20
+# Of named segments only arenas (their size: arena.ARENA_SIZE) are kept: a named segment is
+# parked by its creator for reuse, which must wait for every holder, this cache included,
+# and a segment of its own (1 MiB or more) is seldom sent twice.
+KEEP_RECENT_NAMED_SIZE = 4 << 20
 # [mapping, Segment, monotonic time]
 _recent: collections.deque[list[Any]] = collections.deque(maxlen=KEEP_RECENT)
 
@@ -167,7 +187,8 @@ _FDS_PER_MAPPING = 1 if sys.version_info < (3, 13) else 0
 def held_by(segments: list[Segment]) -> tuple[int, int]:
     """(bytes, fds) that these mapped segments hold in this process."""
     return (sum(s.size for s in segments),
-            sum((s.fd >= 0) + (s.recycle is not None) + _FDS_PER_MAPPING for s in segments))
+            sum((s.fd >= 0) + (s.recycle is not None and s.recycle[1] >= 0) + _FDS_PER_MAPPING
+                for s in segments))
 
 
 cache.register(1, "recent", _expire_recent, _held_recent)
@@ -186,22 +207,139 @@ def _register(seg, mm):
         if seg.address not in _by_address:
             bisect.insort(_addresses, seg.address)
         _by_address[seg.address] = seg
-    weakref.finalize(mm, _release, seg, id(mm))
+    if seg.kind == "file_system" and seg.recycle is not None:
+        seg.mapping = _Lease(mm, _lease_gone)        # (a lighter finalizer: see ``revive``)
+        seg.mapping.seg, seg.mapping.mid = seg, id(mm)
+    else:
+        weakref.finalize(mm, _release, seg, id(mm))
     cache.start()                   # gives back what stays cached once this is unused
+
+
+def _unregister(seg, mapping_id):
+    """(lock held) Forget the segment's entries."""
+    if _by_mapping.get(mapping_id) is seg:
+        del _by_mapping[mapping_id]
+    if _by_key.get(seg.key) is seg:
+        del _by_key[seg.key]
+    if _by_address.get(seg.address) is seg:
+        del _by_address[seg.address]
+        i = bisect.bisect_left(_addresses, seg.address)
+        if i < len(_addresses) and _addresses[i] == seg.address:
+            del _addresses[i]
+
+
+class _Lease(weakref.ref):  # type: ignore[type-arg]
+    """The weak reference to the lease of a named segment made here; its callback parks it."""
+    __slots__ = ("seg", "mid")
+    seg: Segment
+    mid: int
+
+
+# A revivable segment carved from within this many seconds before its lease went is kept
+# pending (see the module docstring), not parked at once.
+PARK_DEFER = 0.005
+
+
+def _lease_gone(ref):
+    """The last view of a named segment made here is gone: park it (or keep it pending)."""
+    if sys.is_finalizing():
+        return                          # (the daemon drops what this process held at its exit)
+    seg = ref.seg
+    with _lock:
+        if seg.mapping is not ref:
+            return                      # (revived meanwhile: a new lease)
+        if _by_mapping.get(ref.mid) is seg:
+            del _by_mapping[ref.mid]
+        if (seg.revivable and seg.owner_pid == os.getpid() and seg.recycle is not None
+                and time.monotonic() - seg.carved < PARK_DEFER):
+            seg.pending = True
+            _pending.add(seg)
+            return
+        _unregister(seg, ref.mid)
+    _park(seg)
+
+
+def _park(seg):
+    """(unregistered) Give the named segment made here to the pool, or let it go."""
+    mm = None
+    if seg.recycle is not None:
+        (mm, _), seg.recycle = seg.recycle, None
+    if mm is not None and seg.owner_pid == os.getpid():
+        directory = seg.path[:-len(seg.name) - 1]
+        nxt = f"{directory}/{PREFIX}{os.urandom(10).hex()}"
+        if recycle.give_named(seg.size, mm, seg.path, nxt, directory, seg.address,
+                              seg.idle_since, _available_memory_cached()):
+            if manager.parked(seg.path, nxt):
+                manager.let_go(seg.path)
+                return
+            recycle.take_back(seg.path)         # (no daemon: nothing to park with)
+    manager.dropped(seg.path)           # the daemon unlinks once no one holds it
+
+
+# Revivable segments whose lease went, not parked yet
+_pending: set[Segment] = set()
+
+
+def revive(seg: Segment) -> SegmentMapping | None:
+    """A new lease of a pending segment (see the module docstring), or None if it was parked
+    (or is still viewed: then its lease)."""
+    with _lock:
+        mm = seg.mapping()
+        if mm is not None or not seg.pending:
+            return mm
+        import numpy as np
+        lease = np.frombuffer(seg.recycle[0], np.uint8)  # type: ignore[index]  # (pending)
+        seg.pending = False
+        _pending.discard(seg)
+        seg.mapping = _Lease(lease, _lease_gone)
+        seg.mapping.seg, seg.mapping.mid = seg, id(lease)
+        _by_mapping[id(lease)] = seg
+        return lease
+
+
+def abandon(seg: Segment) -> None:
+    """The allocator moves on from this arena: park it once no array uses it (now, if none
+    does)."""
+    with _lock:
+        seg.revivable = False
+        if not seg.pending:
+            return
+        seg.pending = False
+        _pending.discard(seg)
+        _unregister(seg, None)
+    _park(seg)
+
+
+def registered(seg: Segment) -> bool:
+    """Whether the segment is mapped here (viewed, or pending), not parked nor released."""
+    return _by_key.get(seg.key) is seg
+
+
+def park_pending(cutoff: float | None) -> bool:
+    """(cache) Park the pending segments; whether the thread is still needed for them."""
+    with _lock:
+        parked = [seg for seg in _pending if seg.pending]
+        _pending.clear()
+        for seg in parked:
+            seg.pending = False
+            _unregister(seg, None)
+    for seg in parked:
+        _park(seg)
+    return False
+
+
+def _held_pending():
+    with _lock:
+        return held_by(list(_pending))
+
+
+cache.register(1, "pending", park_pending, _held_pending)
 
 
 def _release(seg, mapping_id):
     """The last view of the mapping is gone: forget it, close its fd, unlink if ours."""
     with _lock:
-        if _by_mapping.get(mapping_id) is seg:
-            del _by_mapping[mapping_id]
-        if _by_key.get(seg.key) is seg:
-            del _by_key[seg.key]
-        if _by_address.get(seg.address) is seg:
-            del _by_address[seg.address]
-            i = bisect.bisect_left(_addresses, seg.address)
-            if i < len(_addresses) and _addresses[i] == seg.address:
-                del _addresses[i]
+        _unregister(seg, mapping_id)
     if seg.fd >= 0:
         fd, seg.fd = seg.fd, -1
         os.close(fd)
@@ -353,10 +491,12 @@ def format_size(n):
         n /= 1024
 
 
-def create(size: int, kind: str, zero: bool = True) -> tuple[Segment, SegmentMapping]:
+def create(size: int, kind: str, zero: bool = True,
+           revivable: bool = False) -> tuple[Segment, SegmentMapping]:
     """A segment of ``size`` bytes, mapped here; returns (segment, mapping).
 
-    Its memory is zero unless ``zero`` is false and it is recycled."""
+    Its memory is zero unless ``zero`` is false and it is recycled. ``revivable``: an arena
+    (named: see ``revive``)."""
     if size <= 0:
         raise ValueError(f"segment size must be > 0, not {size}")
     if kind not in ("file_descriptor", "file_system"):
@@ -365,15 +505,22 @@ def create(size: int, kind: str, zero: bool = True) -> tuple[Segment, SegmentMap
         reused = recycle.take(size)
         if reused is not None:
             return _adopt_memfd(size, *reused, reused=True, zero=zero)
+    elif recycle.kept()[0]:
+        manager.check()             # (a segment reused tells the daemon nothing: is it there?)
+        named = recycle.take_named(size, shm_dir())
+        if named is not None:
+            mm, path, address = named
+            return _adopt_named(size, mm, path, reused=True, zero=zero, revivable=revivable,
+                                address=address)
     try:
         try:
-            return _create(size, kind)
+            return _create(size, kind, revivable)
         except (OutOfSharedMemory, OSError) as e:
             if not recycle.kept()[0] \
                     or not (isinstance(e, OutOfSharedMemory) or e.errno == errno.EMFILE):
                 raise
         recycle.clear()             # the segments kept for reuse hold memory and fds: without them
-        return _create(size, kind)
+        return _create(size, kind, revivable)
     except OSError as e:            # limits of this process, said with the setting to change
         if e.errno == errno.EMFILE:
             raise _too_many_files("create") from None
@@ -385,7 +532,7 @@ def create(size: int, kind: str, zero: bool = True) -> tuple[Segment, SegmentMap
         raise
 
 
-def _create(size, kind):
+def _create(size, kind, revivable=False):
     # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
     # instead of failing. A fresh reading for big requests, a recent one for small.
     avail = available_memory() if size >= 16 << 20 else _available_memory_cached()
@@ -394,7 +541,7 @@ def _create(size, kind):
             f"cannot reserve {format_size(size)} of shared memory: this machine has only "
             f"{format_size(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
             "Use smaller arrays, free memory, or allocate in chunks.")
-    return _create_memfd(size) if kind == "file_descriptor" else _create_named(size)
+    return _create_memfd(size) if kind == "file_descriptor" else _create_named(size, revivable)
 
 
 def _too_many_files(what):
@@ -444,7 +591,7 @@ def _adopt_memfd(size, mm, private, reused, zero):
     return seg, lease
 
 
-def _create_named(size):
+def _create_named(size, revivable=False):
     directory = shm_dir()
     if not os.path.isdir(directory):
         raise OutOfSharedMemory(
@@ -478,9 +625,24 @@ def _create_named(size):
         os.unlink(path)
         manager.dropped(path)
         raise
-    seg = Segment("file_system", name, size, -1, name, mm, owner=True, path=path)
-    _register(seg, mm)
-    return seg, mm
+    return _adopt_named(size, mm, path, reused=False, zero=False, revivable=revivable)
+
+
+def _adopt_named(size, mm, path, reused, zero, revivable, address=None):
+    """Register a named segment made (or reused from the pool) here, mapped as ``mm``: viewed
+    through a lease, so that it goes to the pool (``recycle``) when its last view goes."""
+    import numpy as np             # (here: `import sharedmp` does not import NumPy)
+    lease = np.frombuffer(mm, np.uint8)
+    name = os.path.basename(path)
+    seg = Segment("file_system", name, size, -1, name, lease, owner=True, path=path,
+                  recycle=(mm, -1) if recycle.limit() else None, address=address)
+    if zero and reused:
+        lease.fill(0)
+    seg.dirty = reused and not zero
+    seg.revivable = revivable
+    seg.carved = time.monotonic()
+    _register(seg, lease)
+    return seg, lease
 
 
 def sealed(fd, seals):
@@ -535,16 +697,19 @@ def attach_fd(fd: int) -> SegmentMapping:
     return mm
 
 
-def attach_name(name: str, consume: bool = True) -> SegmentMapping:
+def attach_name(name: str, consume: bool = True, token: int = -1) -> SegmentMapping:
     """The mapping of the named segment ``name``, mapped once per process.
 
     ``consume``: a reference in flight counted at the daemon ends here (a message of a
-    sharedmp channel: false, its token holds the reference)."""
+    sharedmp channel: false, its token holds the reference; ``token``: that token's fd, if
+    known: mapped anew here, the message's reference ends, see daemon.py ``H``)."""
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise SegmentError(f"{name!r} is not a sharedmp segment name")
     with _lock:
         seg = _by_key.get(name)
         mm = seg.mapping() if seg is not None else None
+    if mm is None and seg is not None and seg.pending:
+        mm = revive(seg)              # one this process made and dropped: not parked yet
     if mm is not None:
         seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
         if consume:
@@ -553,6 +718,9 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
         return mm
     manager.ensure()
     path = os.path.join(shm_dir(), name)
+    mm = _attach_parked(path, consume, token) if recycle.kept()[0] else None
+    if mm is not None:
+        return mm
     try:
         fd = os.open(path, os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW)
     except FileNotFoundError:
@@ -580,15 +748,34 @@ def attach_name(name: str, consume: bool = True) -> SegmentMapping:
     _register(seg, mm)
     if consume:
         manager.received(path)         # holds it now; the reference in flight is consumed
+    else:                              # holds it now, before the message's token is closed
+        manager.holds(path, token)
+    if st.st_size == KEEP_RECENT_NAMED_SIZE:
+        _keep_recent(mm, seg)
+    return mm
+
+
+def _attach_parked(path, consume, token):
+    """The mapping of a segment this process made and parked (it holds it again: out of the
+    pool), or None."""
+    kept = recycle.take_back(path)
+    if kept is None:
+        return None
+    mm = _adopt_named(len(kept), kept, path, reused=False, zero=False, revivable=False)[1]
+    if consume:
+        manager.received(path)
     else:
-        manager.holds(path)            # holds it now, before the message's token is closed
-    _keep_recent(mm, seg)
+        manager.holds(path, token)
     return mm
 
 
 @forks.in_child
 def _after_fork_in_child() -> None:
     _recent.clear()                 # the parent's cache; the child keeps what it uses itself
+    for seg in list(_pending):      # the parent's, unviewed: the child does not hold them
+        _unregister(seg, None)
+        seg.recycle, seg.pending = None, False
+    _pending.clear()
     # The child maps what the parent mapped: it holds those names too, on its own connection.
     manager.after_fork_in_child([s.path for s in _by_key.values() if s.path is not None])
 

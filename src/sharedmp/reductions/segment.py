@@ -30,7 +30,9 @@ def reduce_segment(seg):
 
 def rebuild_name_in_band(name):
     # The message's token holds the reference in flight: this process holds the name now.
-    return segment.attach_name(name, consume=False)
+    # (The token is the message's last fd: named with a new mapping, its reference ends.)
+    oob = wire.current()
+    return segment.attach_name(name, consume=False, token=oob.fds[-1] if oob and oob.fds else -1)
 
 
 def rebuild_fd_in_band(index):
