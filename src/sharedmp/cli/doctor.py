@@ -377,7 +377,8 @@ def survey_processes():
         out.append({"pid": pid, "command": _command_line(pid)[:80], "mapped": held[0],
                     "fds": held[1], "cache": sum(p[0] for p in parts),
                     "cache_fds": sum(p[1] for p in parts), "idle_s": (stats or {}).get("idle_s"),
-                    "processes": (stats or {}).get("processes") or {}})
+                    "processes": (stats or {}).get("processes") or {},
+                    "datasets": (stats or {}).get("datasets") or []})
     return out
 
 
@@ -388,6 +389,15 @@ def _kept_processes(p):
                    for name, d in p["processes"].items())
 
 
+def _shared_datasets(p):
+    """``; shared datasets: SharedList of 1000 records (1.2 MiB), ...`` of what a process
+    holds (``datasets.live()``, as the process publishes it)."""
+    if not p.get("datasets"):
+        return ""
+    return "; shared datasets: " + ", ".join(
+        f"{d['kind']} of {d['records']} records ({_fmt_size(d['bytes'])})" for d in p["datasets"])
+
+
 def check_processes():
     """What each live process of this user holds in sharedmp memory, and how much is cache."""
     procs = survey_processes()
@@ -396,7 +406,8 @@ def check_processes():
     total = sum(p["mapped"] for p in procs)
     cached = sum(p["cache"] for p in procs)
     items = [f"pid {p['pid']}: {_fmt_size(p['mapped'])} mapped, {p['fds']} fds; cache "
-             f"{_fmt_size(p['cache'])}, {p['cache_fds']} fds{_kept_processes(p)}  "
+             f"{_fmt_size(p['cache'])}, {p['cache_fds']} fds{_kept_processes(p)}"
+             f"{_shared_datasets(p)}  "
              f"({p['command']})" for p in procs]
     pools = sum(bool(p["processes"]) for p in procs)
     kept = f"; {pools} keep a pool of workers warm" if pools else ""

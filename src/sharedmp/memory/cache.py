@@ -50,6 +50,9 @@ Held = Callable[[], tuple[int, int]]
 Processes = Callable[[], Optional[dict[str, Any]]]
 # [(order, name, expire, held, processes)], sorted by order
 _caches: list[tuple[int, str, Expire, Held, Optional[Processes]]] = []
+# {key: describe()}: more of what a process holds, published under ``key`` for doctor
+# (the shared datasets: ``datasets.live``)
+_described: dict[str, Callable[[], Any]] = {}
 _lock = threading.Lock()
 _pass_lock = threading.Lock()     # one pass at a time: empty() waits for the thread's to end
 _thread: threading.Thread | None = None
@@ -81,6 +84,11 @@ def register(order: int, name: str, expire: Expire, held: Held,
     for a cache of processes, what it keeps alive (published for doctor)."""
     _caches.append((order, name, expire, held, processes))
     _caches.sort(key=lambda c: c[0])
+
+
+def describe(key: str, fn: Callable[[], Any]) -> None:
+    """Publish ``fn()`` (JSON-able, small) under ``key`` in this process's stats."""
+    _described[key] = fn
 
 
 def start() -> None:
@@ -146,7 +154,7 @@ def stats() -> dict[str, Any]:
     mapped = parts.pop("mapped", (0, 0))
     return {"pid": os.getpid(), "mapped_bytes": mapped[0], "mapped_fds": mapped[1],
             "cache": {name: list(v) for name, v in parts.items()}, "idle_s": idle(),
-            "processes": processes()}
+            "processes": processes(), **{k: fn() for k, fn in list(_described.items())}}
 
 
 def _publish() -> None:

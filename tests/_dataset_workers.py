@@ -1,0 +1,127 @@
+"""Functions that run in child processes of tests/test_datasets.py (and the records they check).
+
+A spawned child imports this module, numpy and sharedmp, not pytest, nor torch unless the
+test is about torch. Each target reports through a Pipe end (``_workers._guard``).
+"""
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+
+import sharedmp as mp
+
+from _workers import TIMEOUT, _guard
+
+
+def make_records(n):
+    """The records the tests share: (int, str, float) tuples; every 10th has an array."""
+    return [(i, f"record-{i}", i * 0.25) if i % 10 else
+            (i, f"record-{i}", i * 0.25, np.arange(i, i + 16, dtype=np.float32))
+            for i in range(n)]
+
+
+def make_mapping(n):
+    """{key: value} with keys of several types."""
+    out = {f"key-{i}": [i, str(i)] for i in range(n)}
+    out.update({i: -i for i in range(0, n, 7)})
+    out[("tuple", 3)] = None
+    out[None] = "none"
+    return out
+
+
+def same_records(got, expected):
+    """Whether two sequences of records hold the same values (arrays compared by value)."""
+    if len(got) != len(expected):
+        return False
+    for a, b in zip(got, expected):
+        if len(a) != len(b) or a[:3] != b[:3]:
+            return False
+        if len(a) == 4 and not np.array_equal(a[3], b[3]):
+            return False
+    return True
+
+
+def read_all(conn, shared_list, shared_dict, n):
+    """Read every record and value; report whether they are equal to what the parent shared
+    and whether the arrays in records are read-only views of shared memory."""
+    def run():
+        expected = make_records(n)
+        arrays = [r[3] for r in shared_list if len(r) == 4]
+        mapping = make_mapping(n)
+        return {"records_equal": same_records(list(shared_list), expected),
+                "indexing_equal": same_records([shared_list[i] for i in range(-n, 0)], expected),
+                "slice_equal": same_records(list(shared_list[5:n:3]), expected[5:n:3]),
+                "dict_equal": shared_dict == mapping,
+                "lookups_equal": all(shared_dict[k] == v for k, v in mapping.items()),
+                "arrays_shared": all(mp.is_shared(a) for a in arrays) and len(arrays) > 0,
+                "arrays_read_only": not any(a.flags.writeable for a in arrays),
+                "pid": os.getpid()}
+    _guard(conn, run)
+
+
+def smaps():
+    """{field: bytes} of this process's /proc/self/smaps_rollup (Pss, Private_Dirty, ...)."""
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                out[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return out
+
+
+def measure_reading(conn, data):
+    """Pss and Private_Dirty of this process before and after reading every record of
+    ``data`` (a Process argument; None: received through ``conn`` after the first figure)."""
+    def run():
+        gc.collect()
+        before = smaps()
+        if data is None:
+            conn.send(("ready", None))
+            if not conn.poll(TIMEOUT):
+                raise TimeoutError("nothing received")
+            got = conn.recv()
+        else:
+            got = data
+        count = sum(1 for _ in got)
+        gc.collect()
+        after = smaps()
+        return {"count": count, "pss": after["Pss"] - before["Pss"],
+                "private_dirty": after["Private_Dirty"] - before["Private_Dirty"]}
+    _guard(conn, run)
+
+
+def hold_until_killed(conn, shared_list):
+    """Read one record, say so, and wait to be SIGKILLed."""
+    def run():
+        conn.send(("holding", shared_list[len(shared_list) - 1][1]))
+        time.sleep(TIMEOUT)
+        return None
+    _guard(conn, run)
+
+
+def kill_self(shared_list):
+    """Read a record, then SIGKILL this process (no cleanup of any kind)."""
+    shared_list[0]
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordsDataset:
+    """A map-style dataset (no torch import: DataLoader needs only ``__getitem__``, ``__len__``)
+    holding its records in a SharedList."""
+
+    def __init__(self, records):
+        self.records = mp.SharedList(records)
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        return self.records[i]
+
+
+def as_list(batch):
+    """DataLoader collate_fn: the samples as they are."""
+    return list(batch)
