@@ -125,3 +125,44 @@ class RecordsDataset:
 def as_list(batch):
     """DataLoader collate_fn: the samples as they are."""
     return list(batch)
+
+
+class Holder:
+    """A dataset object that knows nothing of sharedmp: records in a list (an array in every
+    10th), features in a NumPy array of ``nbytes``."""
+
+    def __init__(self, n, nbytes):
+        self.records = make_records(n)
+        self.features = np.arange(nbytes // 8, dtype=np.float64)
+
+    def __len__(self):
+        return len(self.records)
+
+    def __getitem__(self, i):
+        return self.records[i]
+
+
+def hold_dataset(conn, dataset):
+    """Read the features and every record; report the growth of this process's Pss and
+    Private_Dirty, and whether the features lie in sharedmp memory; hold the dataset until
+    the parent says so."""
+    def run():
+        from sharedmp.memory import segment
+        gc.collect()
+        before = smaps()
+        f = dataset.features
+        total = float(f.sum())
+        count = sum(1 for _ in dataset.records)
+        gc.collect()
+        after = smaps()
+        address = f.__array_interface__["data"][0]
+        conn.send(("holding", {
+            "pid": os.getpid(), "count": count, "sum": total, "shared": mp.is_shared(f),
+            "in_segment": segment.containing(address, f.nbytes)[0] is not None,
+            "pss": after["Pss"] - before["Pss"],
+            "private_dirty": after["Private_Dirty"] - before["Private_Dirty"]}))
+        if not conn.poll(TIMEOUT):
+            raise TimeoutError("the parent did not let go")
+        conn.recv()
+        return None
+    _guard(conn, run)

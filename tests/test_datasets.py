@@ -23,6 +23,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp import datasets
+from sharedmp.memory import segment
 
 import _dataset_workers as dw
 import _workers as w
@@ -538,3 +539,352 @@ def test_doctor_lists_the_datasets_another_process_holds():
         p.wait(TIMEOUT)
         p.stdin.close()
         p.stdout.close()
+
+
+# -- mp.share_dataset ----------------------------------------------------------------------
+
+class Dataset:
+    """A dataset object as users write them: nothing of sharedmp in it."""
+
+    def __init__(self, n):
+        self.records = [(i, f"record-{i}", i * 0.25) for i in range(n)]
+        self.pairs = tuple((i, -i) for i in range(n))
+        self.labels = {f"key-{i}": i % 7 for i in range(n)}
+        self.features = np.arange(n * 8, dtype=np.float32).reshape(n, 8)
+        self.small = [1, 2, 3]
+        self.root = "/data"
+        self.transform = len
+        self.ids = set(range(10))
+
+
+def _by_name(report):
+    return {e.name: e for e in report}
+
+
+def test_share_dataset_converts_large_attributes_and_says_what_it_left():
+    n = 100_000
+    ds = Dataset(n)
+    records, pairs, labels, features = ds.records, ds.pairs, ds.labels, ds.features.copy()
+    report = mp.share_dataset(ds, report=True)
+    assert isinstance(report, datasets.ShareReport)
+    got = _by_name(report)
+    assert {e.name for e in report.converted} == {"records", "pairs", "labels", "features"}
+    assert {e.name for e in report.left} == {"small", "root", "transform", "ids"}
+    assert got["records"].to == "SharedList" and got["pairs"].to == "SharedList"
+    assert got["labels"].to == "SharedDict" and got["features"].to == "ndarray"
+    assert got["records"].nbytes == ds.records.nbytes and got["records"].kind == f"list of {n}"
+    assert "small" in got["small"].why and "threshold 1.0 MiB" in got["small"].why
+    assert got["transform"].why == "code, not data" and got["ids"].why.startswith("a set")
+    assert "no shared form keeps it a str" in got["root"].why
+    text = str(report)
+    assert text.startswith("share_dataset: 4 converted, 4 left") and "features: ndarray ->" in text
+    # equal to what they were, in their shared forms
+    assert type(ds.records) is mp.SharedList and ds.records == records
+    assert type(ds.pairs) is mp.SharedList and list(ds.pairs) == list(pairs)
+    assert type(ds.labels) is mp.SharedDict and ds.labels == labels
+    assert mp.is_shared(ds.features) and np.array_equal(ds.features, features)
+    assert ds.features.flags.writeable                  # (mp.share: writes are seen by all)
+    assert ds.small == [1, 2, 3] and ds.transform is len
+    # a second call converts nothing
+    again = mp.share_dataset(ds, report=True)
+    assert again.converted == [] and len(again) == len(report)
+    assert all("shared already" in e.why for e in again if e.name in got and got[e.name].to)
+    assert mp.share_dataset(ds) is ds
+
+
+def test_share_dataset_threshold_and_one_object_under_two_names():
+    ds = Dataset(1000)                               # every attribute under 1 MiB
+    assert mp.share_dataset(ds, report=True).converted == []
+    assert type(ds.records) is list
+    ds.alias = ds.features
+    report = _by_name(mp.share_dataset(ds, threshold=0, report=True))
+    assert type(ds.records) is mp.SharedList and type(ds.small) is mp.SharedList
+    assert ds.alias is ds.features and mp.is_shared(ds.features)    # one shared copy
+    assert report["alias"].why == "the same object as features"
+    for bad, error in ((-1, ValueError), (1.5, TypeError), ("1", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="threshold"):
+            mp.share_dataset(Dataset(10), bad)
+
+
+def test_share_dataset_sends_handles_only():
+    pd = pytest.importorskip("pandas")
+    pa = pytest.importorskip("pyarrow")
+    n = 100_000
+    ds = Dataset(n)
+    ds.frame = pd.DataFrame({"id": np.arange(n), "score": np.linspace(0, 1, n),
+                             "name": [f"name-{i}" for i in range(n)]})
+    ds.table = pa.table({"id": np.arange(n), "name": [f"name-{i}" for i in range(n)]})
+    frame, table = ds.frame.copy(), ds.table
+    before = {}
+    for name, value in (("frame", frame), ("table", table)):
+        message = ForkingPickler.dumps(value)
+        before[name] = len(message)
+        pickle.loads(message)                # (fetches the fds it lent: none is left open)
+    report = _by_name(mp.share_dataset(ds, report=True))
+    assert report["frame"].to == "DataFrame" and report["table"].to == "Table"
+    assert ds.frame.equals(frame) and ds.table.equals(table)
+    for name in ("records", "labels", "features", "frame", "table"):
+        value = getattr(ds, name)
+        message = ForkingPickler.dumps(value)
+        assert len(message) < 4096, (name, len(message), before)      # handles, no data
+        back = pickle.loads(message)
+        assert type(back) is type(value), name
+        if name == "frame":
+            assert back.equals(frame)
+            assert np.shares_memory(back["score"].to_numpy(), ds.frame["score"].to_numpy())
+            mine = ds.frame["name"].array._pa_array.chunk(0).buffers()[2]
+            theirs = back["name"].array._pa_array.chunk(0).buffers()[2]
+            assert theirs.address == mine.address            # the same mapping, no copy
+        elif name == "table":
+            assert back.equals(table)
+            assert back.column("name").chunk(0).buffers()[2].address == \
+                ds.table.column("name").chunk(0).buffers()[2].address
+        elif name == "features":
+            assert np.shares_memory(back, value)
+        else:
+            assert back == value
+    assert before["frame"] > 1 << 20 and before["table"] > 1 << 20     # (by value before)
+
+
+def test_share_dataset_polars_frames():
+    pl = pytest.importorskip("polars")
+    pytest.importorskip("pyarrow")
+    n = 200_000
+    ds = Dataset(10)
+    ds.frame = pl.DataFrame({"id": np.arange(n), "name": [f"a-longer-name-{i}" for i in range(n)]})
+    ds.series = pl.Series("score", np.linspace(0, 1, n))
+    frame, series = ds.frame.clone(), ds.series.clone()
+    report = _by_name(mp.share_dataset(ds, report=True))
+    assert report["frame"].to == "DataFrame" and report["series"].to == "Series"
+    assert ds.frame.equals(frame) and ds.series.equals(series)
+    for value in (ds.frame, ds.series):
+        message = ForkingPickler.dumps(value)
+        assert len(message) < 4096, len(message)
+        assert pickle.loads(message).equals(value)
+    assert mp.share_dataset(ds, report=True).converted == []
+
+
+def test_share_dataset_walks_nested_torch_datasets():
+    pytest.importorskip("torch")
+    from torch.utils.data import ConcatDataset, Subset
+    import _dataset_torch as dt
+    a, b = dt.PlainDataset(50_000, frame=False), dt.PlainDataset(50_000, frame=False)
+    subset = Subset(ConcatDataset([a, b]), list(range(0, 100_000, 3)))
+    expected = [subset[i] for i in (0, 1, 20_000, -1)]
+    report = _by_name(mp.share_dataset(subset, report=True))
+    assert {"dataset.datasets[0].records", "dataset.datasets[1].features", "indices"} <= {
+        e.name for e in report.values() if e.to}, str(report)
+    assert report["dataset.datasets"].why.startswith("datasets, each walked")
+    assert report["dataset"].why.startswith("a torch dataset: walked")
+    assert type(a.records) is mp.SharedList and mp.is_shared(b.features)
+    assert type(subset.indices) is mp.SharedList
+    assert [subset[i] for i in (0, 1, 20_000, -1)] == expected
+    # a few tensors in a tuple: each moved into shared memory in place, the tuple kept
+    import torch
+    from torch.utils.data import TensorDataset
+    x, y = torch.arange(400_000.0).reshape(100_000, 4), torch.arange(100_000)
+    tensors = TensorDataset(x, y)
+    report = _by_name(mp.share_dataset(tensors, report=True))
+    assert report["tensors"].to == "tuple" and tensors.tensors == (x, y)
+    assert type(tensors.tensors) is tuple and tensors.tensors[0] is x
+    assert mp.is_shared(x) and mp.is_shared(y) and torch.equal(tensors[7][0], x[7])
+    again = _by_name(mp.share_dataset(tensors, report=True))
+    assert again["tensors"].to is None and "shared already" in again["tensors"].why
+
+
+def test_share_dataset_bad_input_and_records_that_cannot_be_pickled():
+    import threading
+    for bad, names in (([1, 2], "mp.SharedList"), ((1,), "mp.SharedList"),
+                       ({"a": 1}, "mp.SharedDict"), (np.zeros(3), r"mp.share\(a\)"),
+                       (3, "mp.SharedList"), ("text", "mp.SharedList"),
+                       (object(), "mp.SharedList")):
+        with pytest.raises(TypeError, match=names):
+            mp.share_dataset(bad)
+    pd = pytest.importorskip("pandas")
+    with pytest.raises(TypeError, match="share the object that holds it"):
+        mp.share_dataset(pd.DataFrame({"a": [1]}))
+    ds = Dataset(10)
+    ds.features = np.zeros(1 << 20)
+    ds.records = [1, 2, {"lock": threading.Lock()}, 4] * 100_000
+    with pytest.raises(TypeError, match=r"attribute 'records': SharedList record 2 cannot be "
+                                        r"pickled.*'_thread.lock'") as info:
+        mp.share_dataset(ds)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert type(ds.records) is list and not mp.is_shared(ds.features)     # nothing replaced
+
+
+def test_dataloader_workers_of_an_unchanged_dataset_read_shared_memory(start_method):
+    pytest.importorskip("torch")
+    pytest.importorskip("pandas")
+    from torch.utils.data import DataLoader
+    import _dataset_torch as dt
+    n = 100_000
+    dataset = mp.share_dataset(dt.PlainDataset(n))
+    assert type(dataset.records) is mp.SharedList and mp.is_shared(dataset.features)
+    message = ForkingPickler.dumps(dataset)                  # what a spawned worker gets
+    assert len(message) < 8192, len(message)
+    assert len(pickle.loads(message)) == n                   # (and fetch the fds it lent)
+    del message
+    loader = DataLoader(dataset, batch_size=1000, num_workers=2, collate_fn=dt.collate,
+                        multiprocessing_context=mp.get_context(start_method), timeout=TIMEOUT)
+    samples, facts = [], {}
+    for batch, worker in loader:
+        samples.extend(batch)
+        facts[worker["pid"]] = worker
+    assert [r for r, _ in samples] == dt.make_records(n)
+    assert [x for _, x in samples] == [8.0 * i + 1 for i in range(n)]
+    assert len(facts) == 2 and os.getpid() not in facts
+    for worker in facts.values():
+        assert worker["records"] == "SharedList" and worker["features_equal"], worker
+        assert worker["features_shared"] and worker["features_in_segment"], worker
+        assert worker["frame"] == {"id": True, "name": True} and worker["frame_equal"], worker
+    del loader
+
+
+def _shm_bytes():
+    """Bytes the sharedmp files in the shm directory take (file_system segments)."""
+    d = segment.shm_dir()
+    total = 0
+    for name in os.listdir(d):
+        if name.startswith(segment.PREFIX):
+            try:
+                total += os.stat(os.path.join(d, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _hold(ctx, dataset, k):
+    """Start ``k`` children that hold ``dataset``: their reports, the shm bytes while they
+    hold it, and their processes and conns (to release)."""
+    started = [w.start(ctx, dw.hold_dataset, dataset, duplex=True) for _ in range(k)]
+    reports = [w.recv(p, conn) for p, conn in started]
+    assert all(r[0] == "holding" for r in reports), reports
+    return [r[1] for r in reports], _shm_bytes(), started
+
+
+def _release(started):
+    for p, conn in started:
+        conn.send("go")
+    try:
+        for p, conn in started:
+            assert w.result(p, conn) is None
+    finally:
+        for p, conn in started:
+            conn.close()
+
+
+def test_a_shared_dataset_sent_to_more_workers_adds_no_memory():
+    # file_system: every segment is a file in the shm directory, whose bytes tell what was
+    # made. A plain array is copied into shared memory each time it is pickled for a child;
+    # after share_dataset, each child gets the handle of the one copy.
+    mp.set_sharing_strategy("file_system")
+    ctx = mp.get_context("spawn")
+    nbytes = 8 << 20
+    plain = dw.Holder(20_000, nbytes)
+    base = _shm_bytes()
+    reports, held, started = _hold(ctx, plain, 4)
+    _release(started)
+    plain_added = held - base
+    assert plain_added >= 4 * nbytes, plain_added              # a copy for each child
+    del reports, started
+    gc.collect()
+    assert eventually(lambda: _shm_bytes() <= base + (1 << 20), TIMEOUT)
+
+    dataset = mp.share_dataset(dw.Holder(20_000, nbytes))
+    base = _shm_bytes()
+    figures = {}
+    for k in (1, 4):
+        reports, held, started = _hold(ctx, dataset, k)
+        try:
+            assert held - base < 1 << 20, (k, held - base)            # nothing new
+            for r in reports:
+                assert r["shared"] and r["in_segment"] and r["count"] == 20_000, r
+                assert r["private_dirty"] < 1 << 20, r                  # no copy
+                assert r["sum"] == float(dataset.features.sum())
+            figures[k] = ([r["pss"] >> 10 for r in reports], (held - base) >> 10)
+        finally:
+            _release(started)
+    print(f"a {nbytes >> 20} MiB array: plain, 4 children: +{plain_added >> 10} KiB of shared "
+          f"memory; shared (Pss growth of each child KiB, shm added KiB): 1 child "
+          f"{figures[1]}, 4 children {figures[4]}")
+    # each child's Pss of the array: its share among the processes that touched it
+    assert max(figures[4][0]) < max(figures[1][0])
+
+
+def test_a_killed_program_with_dataloader_workers_leaves_nothing(tmp_path):
+    # The whole program SIGKILLed while its spawned DataLoader workers hold a SharedList and
+    # a shared array (file_system, a shm directory of its own): the workers die with it
+    # (sharedmp's Process), the daemon unlinks every segment and exits.
+    pytest.importorskip("torch")
+    import select
+    import subprocess
+    import sys
+    from sharedmp.memory import leftovers, manager
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys, time\n"
+            f"sys.path.insert(0, {tests!r})\n"
+            "import sharedmp as mp\n"
+            "from sharedmp.memory import manager\n"
+            "from torch.utils.data import DataLoader\n"
+            "import _dataset_torch as dt\n"
+            "ds = mp.share_dataset(dt.PlainDataset(50_000, frame=False))\n"
+            "assert type(ds.records) is mp.SharedList and mp.is_shared(ds.features)\n"
+            "loader = DataLoader(ds, batch_size=100, num_workers=2, collate_fn=dt.collate,\n"
+            "                    multiprocessing_context=mp.get_context('spawn'))\n"
+            "it = iter(loader)\n"
+            "batches = [next(it) for _ in range(4)]\n"
+            "print(manager.daemon_pid(), *[p.pid for p in it._workers], flush=True)\n"
+            "time.sleep(60)\n")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != manager.ENV}
+    env[segment.SHM_DIR_ENV] = str(shm)
+    env[mp.strategy.ENV] = "file_system"
+    # (its stderr to a file: the standard resource tracker it leaves behind says what it
+    # cleaned up once the program is gone, which is not this test's business)
+    with open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+    pids = []
+    try:
+        try:
+            ready = select.select([proc.stdout], [], [], TIMEOUT)[0]
+            line = proc.stdout.readline() if ready else ""
+            pids = [int(x) for x in line.split()]
+            assert len(pids) == 3, (f"the program did not start its workers: {line!r}\n"
+                                    f"{(tmp_path / 'stderr').read_text()}")
+            assert [n for n in os.listdir(shm) if n.startswith(segment.PREFIX)]
+        finally:
+            proc.kill()                         # SIGKILL: the program alone, not its workers
+            proc.wait(TIMEOUT)
+            proc.stdout.close()
+
+        def clean():
+            listed = [n for n in os.listdir(shm) if n.startswith(segment.PREFIX)]
+            pooled = [n for p in leftovers.pool_dirs(str(shm)) for n in os.listdir(p)]
+            return not listed and not pooled and not any(_alive(pid) for pid in pids)
+        assert eventually(clean, TIMEOUT), (os.listdir(shm), [_alive(p) for p in pids])
+    finally:
+        for pid in pids:                       # (the daemon and workers, should they be left)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_the_example_program_runs():
+    import sys
+    from conftest import run_bounded
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "shared_dataset.py")
+    code, out, err = run_bounded([sys.executable, path, "--records", "20000", "--workers", "2"],
+                                 TIMEOUT, what="shared_dataset.py")
+    assert code == 0, err
+    assert "records: list of 20000 -> SharedList" in out
+    assert "plain list:" in out and "share_dataset: parent" in out

@@ -31,7 +31,7 @@ else:
 __all__ += [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
     "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
-    "empty_cache", "SharedList", "SharedDict",
+    "empty_cache", "SharedList", "SharedDict", "share_dataset",
     "OutOfSharedMemory", "SegmentError", "ProtocolError", "ManagerError",
     "spawn", "start_processes", "ProcessContext",
     "ProcessRaisedException", "ProcessExitedException",
@@ -50,7 +50,7 @@ _TORCH_HELPERS = ("_set_thread_name", "_get_thread_name")
 # imports NumPy; processes/spawn.py logging and concurrent.futures; datasets.py NumPy.
 _LAZY = dict.fromkeys(("empty", "empty_like", "full", "is_shared", "share", "share_memory_",
                        "zeros", "zeros_like"), "arrays")
-_LAZY.update(dict.fromkeys(("SharedList", "SharedDict"), "datasets"))
+_LAZY.update(dict.fromkeys(("SharedList", "SharedDict", "share_dataset"), "datasets"))
 _LAZY.update(dict.fromkeys(("spawn", "start_processes", "ProcessContext",
                             "SpawnContext",               # torch's old name (not in __all__)
                             "ENV_VAR_PARALLEL_START"),    # (not in __all__, as in torch)
@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
     from .arrays import (empty, empty_like, full, is_shared, share, share_memory_, zeros,
                          zeros_like)
-    from .datasets import SharedDict, SharedList
+    from .datasets import SharedDict, SharedList, share_dataset
     from .processes.spawn import ENV_VAR_PARALLEL_START as ENV_VAR_PARALLEL_START
     from .processes.spawn import ProcessContext, spawn, start_processes
     from .processes.spawn import SpawnContext as SpawnContext

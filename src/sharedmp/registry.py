@@ -66,6 +66,8 @@ def install() -> None:
     _when_torch_is_imported(_install_torch)
     _when_imported("cupy", _install_cupy)
     _when_imported("polars", _install_polars)
+    _when_imported("pyarrow", _install_arrow)
+    _when_imported("pandas", _install_pandas)
 
 
 def _install_numpy() -> None:
@@ -233,3 +235,30 @@ class _RunAfter:
             if spec is not None and spec.loader is self:
                 spec.loader = self.loader
         self.then()
+
+
+def _install_arrow() -> None:
+    # Arrow buffers in sharedmp memory travel as its handle (reductions/arrow.py).
+    try:
+        import pyarrow as pa
+
+        from .reductions import arrow
+        ForkingPickler.register(pa.Buffer, arrow.reduce_arrow_buffer)
+        wire.reducers_changed()
+    except Exception as e:
+        warnings.warn(f"sharedmp: pyarrow support is off, its reducer failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
+
+
+def _install_pandas() -> None:
+    # pandas' Arrow columns over sharedmp memory travel as their chunks (reductions/arrow.py).
+    try:
+        import pandas as pd
+
+        from .reductions import arrow
+        for cls in arrow.pandas_arrow_classes(pd):
+            ForkingPickler.register(cls, arrow.reduce_pandas_arrow)
+        wire.reducers_changed()
+    except Exception as e:
+        warnings.warn(f"sharedmp: pandas support is off, its reducer failed to register: {e!r}",
+                      RuntimeWarning, stacklevel=2)
