@@ -150,3 +150,9 @@ def slow_exit_initializer(seconds):
 def raise_long(i, n):
     """Raise with a message of ``n`` characters (a traceback longer than a pipe's buffer)."""
     raise RuntimeError("start " + "x" * n + " end of the long message")
+
+
+def report_freeze(q):
+    """Put how many objects this process's garbage collector has frozen."""
+    import gc
+    q.put(gc.get_freeze_count())

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sharedmp.cli.bench import driver, plan, start, worker
+from sharedmp.cli.bench import cuda, datasets, driver, plan, start, worker
 from sharedmp.cli.bench import report as bench_report
 from sharedmp.memory import leftovers
 
@@ -30,6 +30,11 @@ PROGRAM_IDS = START_IDS + FRAME_IDS + SMALL_IDS
 RUNNABLE = {"S5": HAVE_JOBLIB, "S6": HAVE_JOBLIB and HAVE_TORCH, "F1": HAVE_PYARROW,
             "F2": HAVE_PYARROW and HAVE_PANDAS, "F3": HAVE_PYARROW and HAVE_POLARS,
             "L9": HAVE_TORCH, "L10": HAVE_TORCH}
+DATASET_IDS = ["D1", "D2", "D3", "D4", "D5", "D6"]
+# The tiny run: every row but the dataset rows (36 fresh programs, spawned workers importing
+# torch: minutes; test_dataset_row_real_run runs one pair of them).
+NOT_DATASETS = ",".join([w["id"] for w in plan.WORKLOADS + plan.START_WORKLOADS]
+                        + [c[0] for c in cuda.WORKLOADS])
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs memfd and /proc")
 
@@ -46,7 +51,8 @@ def tiny_run(tmp_path_factory):
     """One tiny run for the whole module: (completed process, report, plot path, /dev/shm before)."""
     tmp = tmp_path_factory.mktemp("bench")
     out_json, out_png = tmp / "bench.json", tmp / "bench.png"
-    args = [sys.executable, "-m", "sharedmp", "bench", "--scale", "0.02", "--json", str(out_json)]
+    args = [sys.executable, "-m", "sharedmp", "bench", "--scale", "0.02", "--json", str(out_json),
+            "--workloads", NOT_DATASETS]
     if HAVE_MPL:
         args += ["--plot", str(out_png)]
     before = shm_entries()
@@ -340,5 +346,106 @@ def test_frame_program_whose_child_dies_fails_at_once_and_says_why(tmp_path, mod
         driver._kill_group(proc)
     assert proc.returncode == 1 and "the child exited with code 3" in err, err
     assert worker.MARK not in out and not alive
+    new = {os.path.join("/dev/shm", n) for n in shm_entries() - before}
+    assert not new - leftovers.in_use(new)
+
+
+def test_dataset_plan_counts():
+    full = {w["id"]: w for w in plan.make_dataset_plan(1.0)}
+    assert list(full) == DATASET_IDS
+    assert [full[k]["n"] for k in DATASET_IDS] == [1_000_000] * 3 + [65536] * 3
+    assert [full[k]["epochs"] for k in DATASET_IDS] == [3, 3, 3, 1, 1, 1]
+    assert [full[k]["method"] for k in DATASET_IDS] == ["fork", "spawn", "forkserver"] * 2
+    assert [full[k]["batch"] for k in DATASET_IDS] == [1024] * 3 + [256] * 3
+    assert all(w["workers"] == [1, 2, 4] and w["needs"] == ["torch"] for w in full.values())
+    assert full["D4"]["bytes"] == 256 * worker.MiB and "256.0 MiB" in full["D4"]["title"]
+    quick = {w["id"]: w for w in plan.make_dataset_plan(0.2, quick=True)}
+    assert quick["D1"]["n"] == 200_000 and quick["D4"]["n"] == 13107
+    assert all(w["workers"] == [1, 4] for w in quick.values())      # what the targets compare
+    tiny = {w["id"]: w for w in plan.make_dataset_plan(0.001)}
+    assert tiny["D1"]["n"] == 10_000 and tiny["D4"]["n"] == 1024    # above the threshold
+    w = full["D2"]
+    assert datasets.command(w, "shared", 4, "d.py", "py") == [
+        "py", "d.py", "shared", "records", "spawn", "4", "1000000", "3", "1024"]
+
+
+def _dataset_run_result(memory, epoch_s, **extra):
+    return dict(status="ok", memory_mib=memory, epoch_s=epoch_s, **extra)
+
+
+def test_dataset_targets_and_table_from_figures():
+    """The targets of the dataset rows: 4 workers over 1 (shared MiB), shared over plain epoch
+    time at every worker count (the worst checked; spawn and forkserver strictly below 1),
+    and the records' form and build time from the medians of the records rows' shared runs."""
+    r = _dataset_run_result
+    build = dict(private_mib=200.0, form_mib=50.0, build_s=0.75, pickle_s=0.5)
+    d1 = {"1": {"plain": r(400.0, 2.0), "shared": r(50.0, 1.0, **build)},
+          "2": {"plain": r(600.0, 2.0), "shared": r(55.0, 2.2, **build)},
+          "4": {"plain": r(900.0, 2.0), "shared": r(70.0, 2.0, **dict(build, build_s=2.0))}}
+    d2 = {"1": {"plain": r(400.0, 2.0), "shared": r(50.0, 2.0)},
+          "4": {"plain": {"status": "timeout"}, "shared": r(60.0, 1.0)}}
+    d5 = {"1": {"plain": r(512.0, 4.0), "shared": r(256.0, 1.0)}}
+    results = {"D1": d1, "D2": d2, "D5": d5}
+    workloads = [w for w in plan.make_dataset_plan(1.0) if w["id"] in results]
+    section = {"workloads": workloads, "results": results,
+               "ratios": {w["id"]: datasets.ratios(results[w["id"]]) for w in workloads}}
+    assert section["ratios"]["D1"]["2"] == {"memory": 55 / 600, "time": 1.1}
+    assert section["ratios"]["D2"]["4"] == {"memory": None, "time": None}
+    got = {t["target"]: (t["workload"], t["value"], t["met"])
+           for t in bench_report.check_dataset_targets({"datasets": section})}
+    assert got == {
+        "D1 fork: shared MiB, 4 workers <= 1.25x 1": ("D1", 1.4, False),
+        "D2 spawn: shared MiB, 4 workers <= 1.25x 1": ("D2", 1.2, True),
+        "records: shared form <= 0.5x the list's Pss": ("D1", 0.25, True),
+        "records: build <= 2x pickling each record": ("D1", 1.5, True),     # medians: 0.75 / 0.5
+        "D1 fork: shared epoch time <= 1.2x plain": ("D1", 1.1, True),      # the worst: 2 workers
+        "D2 spawn: shared epoch time < plain": ("D2", None, None),          # 4 workers timed out
+        "D5 spawn: shared epoch time < plain": ("D5", 0.25, True)}
+    d2["4"]["plain"] = r(500.0, 1.0)                                        # exactly 1: missed
+    section["ratios"]["D2"] = datasets.ratios(d2)
+    got = {t["target"]: t["met"] for t in bench_report.check_dataset_targets({"datasets": section})}
+    assert got["D2 spawn: shared epoch time < plain"] is False
+    table = bench_report.format_datasets({"datasets": section})
+    lines = table.splitlines()
+    assert lines[0].split()[:4] == ["datasets,", "DataLoader", "(persistent", "workers)"]
+    assert lines[2].startswith("D1 1,000,000 records (int, str, float) in a list")
+    assert lines[3].split() == ["D1", "2", "600", "55.0", "0.092x", "2.00", "2.20", "1.1x"]
+    assert lines[-1].startswith("D1-D2 records, medians of the shared runs: the list 200.0 MiB")
+
+
+def test_a_plain_dataset_run_that_imported_sharedmp_is_no_figure():
+    line = worker.MARK + json.dumps({"sharedmp": True, "epoch_s": 1.0})
+    assert datasets.parse("plain", line) is None
+    assert datasets.parse("shared", "noise\n" + line) == {"sharedmp": True, "epoch_s": 1.0,
+                                                           "status": "ok"}
+    assert datasets.parse("shared", "no result") is None
+
+
+@linux_only
+@pytest.mark.skipif(not HAVE_TORCH, reason="the dataset rows need torch")
+def test_dataset_row_real_run():
+    """One pair of D2 (10,000 records, spawn, 2 workers), plain and shared, for real: the
+    figures are there and sane, and the shared run made the records shared."""
+    w = dict(next(w for w in plan.make_dataset_plan(0.001) if w["id"] == "D2"), workers=[2])
+    report = {"problems": []}
+    before = shm_entries()
+    driver._measure_datasets(report, [w], timeout=60)
+    assert report["problems"] == []
+    pair = report["datasets"]["results"]["D2"]["2"]
+    for variant, r in pair.items():
+        assert r["status"] == "ok", (variant, r)
+        assert r["n"] == 10_000 and len(r["epochs_s"]) == 3 and min(r["epochs_s"]) > 0
+        assert r["epoch_s"] == pytest.approx(sum(r["epochs_s"]) / 3)
+        assert r["processes"] >= 3                      # the program and its 2 workers at least
+        assert r["pss_mib"] > r["base_mib"] - 100 and r["base_mib"] > 50      # (torch in each)
+        assert abs(r["memory_mib"]) < 200
+        assert r["sharedmp"] == (variant == "shared")
+        assert r["private_mib"] > 0
+    shared = pair["shared"]
+    assert shared["pickle_s"] > 0 and shared["build_s"] > 0 and shared["form_mib"] >= 0
+    assert "pickle_s" not in pair["plain"] and "build_s" not in pair["plain"]
+    ratios = report["datasets"]["ratios"]["D2"]["2"]
+    assert ratios["time"] > 0
+    assert "D2 10,000 records" in bench_report.format_datasets(report)
     new = {os.path.join("/dev/shm", n) for n in shm_entries() - before}
     assert not new - leftovers.in_use(new)

@@ -513,3 +513,35 @@ def test_forked_child_resets_queues_of_its_parent():
     assert any(isinstance(x, str) and x == "from the child" for x in got)
     q.close()
     q.join_thread()
+
+
+@pytest.mark.parametrize("make", ["context", "mp.Process", "stdlib"])
+def test_fork_children_freeze_what_they_inherit(make, monkeypatch):
+    # A collection in a forked child would write the GC header of every inherited object,
+    # copying the parent's heap page by page: sharedmp's fork children freeze it first.
+    import multiprocessing
+    std = multiprocessing.get_context("fork")
+    q = std.Queue()
+    if make == "context":
+        p = mp.get_context("fork").Process(target=w.report_freeze, args=(q,))
+    elif make == "mp.Process":
+        monkeypatch.setattr(multiprocessing.context._default_context, "_actual_context", std)
+        p = mp.Process(target=w.report_freeze, args=(q,))
+    else:
+        p = std.Process(target=w.report_freeze, args=(q,))
+    p.start()
+    try:
+        frozen = q.get(timeout=TIMEOUT)
+    finally:
+        assert join_or_kill(p) == 0
+    if make == "stdlib":
+        assert frozen == 0
+    else:
+        assert frozen > 1000              # (the interpreter's own objects alone are more)
+    q = mp.get_context("spawn").Queue()
+    spawned = mp.get_context("spawn").Process(target=w.report_freeze, args=(q,))
+    spawned.start()
+    try:
+        assert q.get(timeout=TIMEOUT) == 0               # a spawned child inherits nothing to freeze
+    finally:
+        assert join_or_kill(spawned) == 0

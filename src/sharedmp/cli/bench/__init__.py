@@ -65,12 +65,18 @@ same as a pandas and as a Polars DataFrame, one message through a spawn ``Queue`
 that reads its last row, sharedmp against the standard library; a row whose library
 (pyarrow, pandas, polars) is not installed is n/a, with the reason.
 
+The dataset rows, D1-D6 (``datasets.py``, a table of their own, in MiB and seconds per
+epoch): torch's DataLoader with persistent workers (1, 2 and 4; ``--quick``: 1 and 4) under
+fork, spawn and forkserver over 1,000,000 records in a list (3 shuffled epochs) and over a
+256 MiB float32 array (one epoch), the plain dataset against ``mp.share_dataset(ds)`` with
+sharedmp's context: the Pss of the processes beyond a tiny dataset's, and the epoch time.
+
 The modules: this one is the command (``add_parser``, ``run``); ``plan`` says what is
 measured (systems, workloads, targets); ``driver`` runs the workers and makes the report;
 ``worker`` is the workers' script, importing only the standard library at its top (the
 others import from it, it from none of them); ``start`` the program rows' programs;
-``report`` makes the tables, the ratios, the targets and the plot; ``cuda`` the CUDA rows,
-on a GPU.
+``datasets`` the dataset rows' program; ``report`` makes the tables, the ratios, the targets
+and the plot; ``cuda`` the CUDA rows, on a GPU.
 """
 import json
 import os
@@ -78,8 +84,9 @@ import sys
 
 from . import cuda as bench_cuda
 from .driver import bench
-from .plan import START_WORKLOADS, SYSTEMS, WORKLOADS
-from .report import format_footer, format_header, format_start, format_table, plot
+from .plan import DATASET_WORKLOADS, START_WORKLOADS, SYSTEMS, WORKLOADS
+from .report import format_datasets, format_footer, format_header, format_start, format_table
+from .report import plot
 
 
 def add_parser(subparsers):
@@ -91,8 +98,8 @@ def add_parser(subparsers):
         "Each system runs in fresh processes (spawn); the table shows messages/s, GB/s or fds, "
         "and sharedmp's ratio to torch (file_descriptor) and to the standard library.")
     p.add_argument("--quick", action="store_true",
-                   help="a fifth of the counts, two timed rounds, one process pair per system "
-                   "(under a minute)")
+                   help="a fifth of the counts, two timed rounds, one process pair per system, "
+                   "the dataset rows with 1 and 4 workers (a few minutes)")
     p.add_argument("--json", metavar="FILE",
                    help="write every figure, the machine and the versions to FILE")
     p.add_argument("--plot", metavar="FILE", help="draw a bar chart to FILE (needs matplotlib)")
@@ -102,9 +109,9 @@ def add_parser(subparsers):
     p.add_argument("--systems", metavar="S1,S2", default=None,
                    help="run only these systems, comma-separated (e.g. sharedmp,torch_fd)")
     p.add_argument("--workloads", metavar="W1,W2", default=None,
-                   help="run only these workloads, comma-separated (e.g. W2,W3; S1-S6 and "
-                   "F1-F3: the process-start and data-frame rows, which --systems does not "
-                   "select)")
+                   help="run only these workloads, comma-separated (e.g. W2,W3; S1-S6, F1-F3, "
+                   "L1-L10 and D1-D6: the process-start, data-frame, small-message and dataset "
+                   "rows, which --systems does not select)")
     p.add_argument("--isolation", choices=["workload", "system"], default=None,
                    help=argparse.SUPPRESS)
     return p
@@ -118,6 +125,7 @@ def _error(msg):
 def _unknown_choice(systems, workloads):
     """The error for a --systems or --workloads name that is not one; None if all are."""
     known_workloads = ([w["id"] for w in WORKLOADS] + [w["id"] for w in START_WORKLOADS]
+                       + [w["id"] for w in DATASET_WORKLOADS]
                        + [c[0] for c in bench_cuda.WORKLOADS])
     for flag, given, known in (("--systems", systems, [s for s, _ in SYSTEMS]),
                                ("--workloads", workloads, known_workloads)):
@@ -158,6 +166,9 @@ def run(args):
     if report.get("start"):
         print()
         print(format_start(report))
+    if report.get("datasets"):
+        print()
+        print(format_datasets(report))
     # The CUDA rows (cuda.py): sharedmp against torch on a GPU; skipped without one.
     if workloads is None or any(w.startswith("C") for w in workloads):
         report["cuda"] = bench_cuda.run(args.quick)

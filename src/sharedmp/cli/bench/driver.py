@@ -14,11 +14,13 @@ import sys
 import time
 
 from ...memory import leftovers
+from . import datasets
 from . import worker
 from . import start
 from .plan import LONG_NAMES, METRIC_UNITS, SYSTEMS, WORKLOADS, counts, make_plan, scaled
-from .plan import SMALL_RUNS, make_start_plan, state_dict_shapes
-from .report import check_start_targets, check_targets, compute_ratios, fmt_num
+from .plan import SMALL_RUNS, make_dataset_plan, make_start_plan, state_dict_shapes
+from .report import check_dataset_targets, check_start_targets, check_targets, compute_ratios
+from .report import fmt_num
 from .worker import MARK, TORCH_SYSTEMS
 
 
@@ -285,6 +287,46 @@ def _measure_start(report, plan, runs, timeout):
                     report["problems"].append(f"{w['id']} {s}: {shown}".strip())
 
 
+def _dataset_run(w, variant, workers, path, timeout):
+    """One fresh program of dataset row ``w``: its figures, or the failed run's result."""
+    limit = timeout or 120.0 + 240.0 * w["n"] / 1_000_000 * w["epochs"] / 3
+    cmd = datasets.command(w, variant, workers, path, sys.executable)
+    out, status, tail, seconds = run_program(cmd, limit)
+    got = datasets.parse(variant, out) if status == "ok" else None
+    if got is None:
+        return {"status": "error" if status == "ok" else status, "wall_s": seconds,
+                "error": tail or "no result line (or a plain run imported sharedmp)"}
+    return dict(got, wall_s=seconds)
+
+
+def _measure_datasets(report, plan, timeout):
+    """The dataset rows (``datasets.py``): for each worker count, a fresh program of the plain
+    dataset, then one of its shared form; a row whose modules are missing, n/a."""
+    import tempfile
+    section = report["datasets"] = {"workloads": plan, "results": {}, "ratios": {}}
+    with tempfile.TemporaryDirectory(prefix="sharedmp-bench-") as directory:
+        path = datasets.script(directory)
+        for w in plan:
+            _log(f"{w['id']:<14} {w['dataset']} {w['method']}, workers "
+                 f"{','.join(map(str, w['workers']))} ...")
+            why = start.missing(w)
+            res = section["results"][w["id"]] = {}
+            for k in w["workers"]:
+                res[str(k)] = r = {}
+                for variant in datasets.VARIANTS:
+                    r[variant] = {"status": "n/a", "error": why} if why else \
+                        _dataset_run(w, variant, k, path, timeout)
+                    got = r[variant]
+                    shown = (f"{fmt_num(got['memory_mib'])} MiB, {fmt_num(got['epoch_s'])} "
+                             "s/epoch" if got["status"] == "ok" else
+                             f"{got['status']} {got.get('error') or ''}")
+                    which = f"{w['id']} {k} worker{'s' if k > 1 else ''} {variant}"
+                    _log(f"    {which}: {shown}")
+                    if got["status"] not in ("ok", "n/a"):
+                        report["problems"].append(f"{which}: {shown}".strip())
+            section["ratios"][w["id"]] = datasets.ratios(res)
+
+
 def _survey_shm(report, shm_before, timed_out):
     """What the run left in /dev/shm, and what was removed of it after a timeout."""
     # Releases may trail the processes a moment (torch_shm_manager).
@@ -303,9 +345,11 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
     t_start = time.monotonic()
     shm_before = _shm_entries()
     plan, start_plan = make_plan(scale, rounds), make_start_plan(scale)
+    dataset_plan = make_dataset_plan(scale, quick)
     if workloads:
         plan = [w for w in plan if w["id"] in workloads]
         start_plan = [w for w in start_plan if w["id"] in workloads]
+        dataset_plan = [w for w in dataset_plan if w["id"] in workloads]
     have_torch = _torch_available()
     chosen = [s for s, _ in SYSTEMS if systems is None or s in systems]
     runnable = [s for s in chosen if have_torch or s not in TORCH_SYSTEMS]
@@ -328,8 +372,14 @@ def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isol
         _measure_start(report, start_plan, min(rounds, 2), timeout)
         timed_out = timed_out or any(r.get("status") == "timeout" for res in
                                      report["start"]["results"].values() for r in res.values())
+    if dataset_plan:
+        _measure_datasets(report, dataset_plan, timeout)
+        timed_out = timed_out or any(r.get("status") == "timeout" for res in
+                                     report["datasets"]["results"].values()
+                                     for pair in res.values() for r in pair.values())
     report["ratios"] = compute_ratios(report)
-    report["targets"] = check_targets(report) + check_start_targets(report)
+    report["targets"] = (check_targets(report) + check_start_targets(report)
+                         + check_dataset_targets(report))
     _survey_shm(report, shm_before, timed_out)
     try:
         report["machine"]["loadavg_end"] = os.getloadavg()

@@ -193,6 +193,48 @@ START_TARGETS = [   # (workload, sharedmp's time at most this factor of the base
 ]
 
 
+# The dataset rows (datasets.py): torch's DataLoader, persistent workers, over a plain dataset
+# and its shared form (mp.share_dataset), each (row, workers) pair a fresh program per form.
+# n: samples at scale 1 (records; array rows of 4 KiB: 256 MiB), at the least 10,000 records
+# (1.7 MiB: above share_dataset's default threshold) and 4 batches; epochs: shuffled epochs.
+# Records in batches of 1,024: at 256 the plain rows spent most of 3.5 minutes passing
+# torch's fds for two tensors a batch, which is not what they measure.
+DATASET_WORKERS = [1, 2, 4]
+DATASET_WORKLOADS = [
+    dict(id=f"D{i + 1}", kind="dataset", dataset="records", method=m, n=1_000_000, epochs=3,
+         batch=1024, needs=["torch"],
+         title="records (int, str, float) in a list, 3 shuffled epochs, " + m)
+    for i, m in enumerate(("fork", "spawn", "forkserver"))] + [
+    dict(id=f"D{i + 4}", kind="dataset", dataset="array", method=m, n=65536, epochs=1,
+         batch=256, needs=["torch"], title="float32 array rows ({size}), 1 shuffled epoch, " + m)
+    for i, m in enumerate(("fork", "spawn", "forkserver"))]
+DATASET_ROW_BYTES = 4096          # D4-D6: a row of 1,024 float32
+DATASET_TARGETS = [   # (workload, measure, at most / below, factor, text)
+    *[(w, "workers", "<=", 1.25, f"{w} {m}: shared MiB, 4 workers <= 1.25x 1")
+      for w, m in (("D1", "fork"), ("D2", "spawn"), ("D3", "forkserver"))],
+    ("D1", "form", "<=", 0.5, "records: shared form <= 0.5x the list's Pss"),
+    ("D1", "build", "<=", 2.0, "records: build <= 2x pickling each record"),
+    *[(w, "time", "<=", 1.2, f"{w} fork: shared epoch time <= 1.2x plain") for w in ("D1", "D4")],
+    *[(w, "time", "<", 1.0, f"{w} {m}: shared epoch time < plain")
+      for w, m in (("D2", "spawn"), ("D3", "forkserver"), ("D5", "spawn"),
+                   ("D6", "forkserver"))],
+]
+
+
+def make_dataset_plan(scale, quick=False):
+    """The dataset rows at ``scale``; ``quick``: 1 and 4 workers."""
+    plan = []
+    workers = [1, 4] if quick else DATASET_WORKERS
+    for w in DATASET_WORKLOADS:
+        least = 10_000 if w["dataset"] == "records" else 4 * w["batch"]
+        w = dict(w, n=scaled(w["n"], scale, minimum=least), workers=workers)
+        if w["dataset"] == "array":
+            w["bytes"] = w["n"] * DATASET_ROW_BYTES
+            w["title"] = w["title"].format(size=_fmt_size(w["bytes"]))
+        plan.append(w)
+    return plan
+
+
 def make_start_plan(scale):
     """The program rows with their counts at ``scale`` (F1-F3: 100,000 rows at the least,
     enough to be data, not a message's fixed costs)."""

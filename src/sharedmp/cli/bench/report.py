@@ -1,7 +1,8 @@
 """The table, the ratios, the targets and the plot of a bench report (``driver.py`` makes it)."""
 import math
 
-from .plan import COLORS, METRIC_UNITS, START_TARGETS, SYSTEMS, TARGETS
+from .datasets import build_figures
+from .plan import COLORS, DATASET_TARGETS, METRIC_UNITS, START_TARGETS, SYSTEMS, TARGETS
 from .start import figure
 
 
@@ -100,6 +101,48 @@ def check_start_targets(report):
     return out
 
 
+def _dataset_value(measure, res, ratios, records):
+    """The figure that target ``measure`` of a dataset row checks (form, build: of the
+    ``records`` rows' results); None if it is missing."""
+    if measure == "workers":           # the shared form's memory, 4 workers over 1
+        one, four = ((res.get(k) or {}).get("shared") or {} for k in ("1", "4"))
+        if one.get("status") == four.get("status") == "ok" and one["memory_mib"] > 0:
+            return four["memory_mib"] / one["memory_mib"]
+        return None
+    if measure == "time":              # shared over plain, the worst of the worker counts
+        got = [r["time"] for r in ratios.values()]
+        return max(got) if got and None not in got else None
+    figures = build_figures(records)
+    if figures is None:
+        return None
+    if measure == "form":
+        return _ratio(figures["form_mib"], figures["private_mib"])
+    return _ratio(figures["build_s"], figures["pickle_s"])          # "build"
+
+
+def _records_rows(section):
+    return [w["id"] for w in section.get("workloads", []) if w["dataset"] == "records"]
+
+
+def check_dataset_targets(report):
+    """The targets of the dataset rows (D1-D6); those of the records' shared form and build
+    time are of every records row of the report (listed under the first)."""
+    section = report.get("datasets") or {}
+    results, ratios = section.get("results", {}), section.get("ratios", {})
+    records = _records_rows(section)
+    out = []
+    for wid, measure, op, factor, text in DATASET_TARGETS:
+        if measure in ("form", "build"):
+            wid = records[0] if records else None
+        if wid not in results:
+            continue
+        got = _dataset_value(measure, results[wid], ratios[wid],
+                             [results[k] for k in records])
+        met = None if got is None else got <= factor if op == "<=" else got < factor
+        out.append({"target": text, "workload": wid, "value": got, "met": met, "kind": "ratio"})
+    return out
+
+
 def _start_cell(w, res):
     if res is None:
         return ""
@@ -195,6 +238,63 @@ def format_start(report):
         lines += ([""] if lines else []) + _aligned([title, "unit", *systems, ratio], rows) \
             + [""] + notes(section, ws)
     return "\n".join(lines)
+
+
+def _dataset_cell(res, key):
+    if res is None:
+        return ""
+    if res.get("status") != "ok":
+        return res.get("status", "-")
+    return fmt_num(res[key]) if res[key] >= 0 else f"{res[key]:.2g}"
+
+
+def _dataset_notes(section):
+    lines = ["D1-D6: torch DataLoader(shuffle=True, persistent_workers=True, default collate; "
+             "batches of 1,024 records, 256 array rows), a fresh program per figure;",
+             "    plain: the dataset as is, multiprocessing_context=method (torch's context); "
+             "shared: mp.share_dataset(ds), mp.get_context(method);",
+             "    MiB: Pss (smaps_rollup: anonymous + shared memory, files left out) of the "
+             "program and every process under it at the end",
+             "    of the last epoch, minus the same for a tiny dataset (a batch per worker) "
+             "measured first in the same program;",
+             "    s/epoch: the mean of the epochs, iter() to the last batch, the first with the "
+             "workers' start; smp/plain: shared over plain,",
+             "    lower is better"]
+    records = _records_rows(section)
+    f = build_figures([section["results"][k] for k in records])
+    if f:
+        rows = records[0] if len(records) == 1 else f"{records[0]}-{records[-1]}"
+        lines.append(
+            f"{rows} records, medians of the shared runs: the list "
+            f"{f['private_mib']:.1f} MiB of Pss, its shared form {f['form_mib']:.1f} MiB "
+            f"({_fmt_ratio(_ratio(f['form_mib'], f['private_mib']))}); mp.share_dataset "
+            f"{f['build_s']:.2f} s, pickle.dumps of each record (protocol 5) "
+            f"{f['pickle_s']:.2f} s ({_fmt_ratio(_ratio(f['build_s'], f['pickle_s']))})")
+    return lines
+
+
+def format_datasets(report):
+    """The dataset rows: per (row, workers), the memory and time of the plain and shared
+    forms (lower is better)."""
+    section = report["datasets"]
+    head = ["datasets, DataLoader (persistent workers)", "workers", "plain MiB", "shared MiB",
+            "smp/plain MiB", "plain s/epoch", "shared s/epoch", "smp/plain time"]
+    rows = []
+    for w in section["workloads"]:
+        res, ratios = section["results"][w["id"]], section["ratios"][w["id"]]
+        for i, k in enumerate(res):
+            label = w["id"]
+            if i == 0:
+                label = f"{w['id']} {w['n']:,} {w['title']}"
+                skipped = [r.get("error") for r in res[k].values() if r.get("status") == "n/a"]
+                label += f" [n/a: {skipped[0]}]" if skipped else ""
+            pair = res[k]
+            rows.append([label, k] + [_dataset_cell(pair.get(v), "memory_mib")
+                                      for v in ("plain", "shared")]
+                        + [_fmt_ratio(ratios[k]["memory"])]
+                        + [_dataset_cell(pair.get(v), "epoch_s") for v in ("plain", "shared")]
+                        + [_fmt_ratio(ratios[k]["time"])])
+    return "\n".join(_aligned(head, rows) + [""] + _dataset_notes(section))
 
 
 def _cell(res, metric):
