@@ -1080,12 +1080,7 @@ def _why_not(value: Any) -> str:
 
 # -- sizes
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024      # type: ignore[assignment]
-    return f"{n} B"    # (not reached)
+_size = segment.format_size          # "16.2 MiB", as doctor writes sizes
 
 
 def _sample(seq: Any) -> list[Any]:

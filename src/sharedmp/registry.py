@@ -27,6 +27,7 @@ second finder, on the module itself: see ``_when_numpy_is_imported``).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import warnings
@@ -64,10 +65,8 @@ def install() -> None:
         wire.lazy_frame_kind(kind, module, needs)
     _when_numpy_is_imported()
     _when_torch_is_imported(_install_torch)
-    _when_imported("cupy", _install_cupy)
-    _when_imported("polars", _install_polars)
-    _when_imported("pyarrow", _install_arrow)
-    _when_imported("pandas", _install_pandas)
+    for module, library, reducers in _LIBRARIES:
+        _when_imported(module, functools.partial(_register, library, reducers))
 
 
 def _install_numpy() -> None:
@@ -123,31 +122,54 @@ def _install_torch() -> None:
                       RuntimeWarning, stacklevel=2)
 
 
-def _install_cupy() -> None:
-    # CuPy arrays go by CUDA IPC; cupy.ndarray exists only once CuPy is in.
+def _register(library: str, reducers: Callable[[], list[tuple[type, Callable[[Any], Any]]]]
+              ) -> None:
+    """Register ``reducers()`` (a library's classes, which exist only once it is imported).
+    Never break the library's import: say why its objects are pickled its own way instead."""
     try:
-        import cupy
-
-        from .reductions.cuda import reduce_cupy_array
-        ForkingPickler.register(cupy.ndarray, reduce_cupy_array)
+        for cls, reducer in reducers():
+            ForkingPickler.register(cls, reducer)
         wire.reducers_changed()
     except Exception as e:
-        warnings.warn(f"sharedmp: CuPy support is off, its reducer failed to register: {e!r}",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"sharedmp: {library} support is off, its reducers failed to register: "
+                      f"{e!r}", RuntimeWarning, stacklevel=3)
 
 
-def _install_polars() -> None:
+def _cupy_reducers() -> list[tuple[type, Callable[[Any], Any]]]:
+    # CuPy arrays go by CUDA IPC.
+    import cupy
+
+    from .reductions.cuda import reduce_cupy_array
+    return [(cupy.ndarray, reduce_cupy_array)]
+
+
+def _polars_reducers() -> list[tuple[type, Callable[[Any], Any]]]:
     # Polars frames through Arrow, whose buffers travel out of band (reductions/polars.py).
-    try:
-        import polars as pl
+    import polars as pl
 
-        from .reductions import polars
-        ForkingPickler.register(pl.DataFrame, polars.reduce_polars_frame)
-        ForkingPickler.register(pl.Series, polars.reduce_polars_series)
-        wire.reducers_changed()
-    except Exception as e:
-        warnings.warn(f"sharedmp: Polars support is off, its reducers failed to register: {e!r}",
-                      RuntimeWarning, stacklevel=2)
+    from .reductions import polars
+    return [(pl.DataFrame, polars.reduce_polars_frame), (pl.Series, polars.reduce_polars_series)]
+
+
+def _arrow_reducers() -> list[tuple[type, Callable[[Any], Any]]]:
+    # Arrow buffers in sharedmp memory travel as its handle (reductions/arrow.py).
+    import pyarrow as pa
+
+    from .reductions import arrow
+    return [(pa.Buffer, arrow.reduce_arrow_buffer)]
+
+
+def _pandas_reducers() -> list[tuple[type, Callable[[Any], Any]]]:
+    # pandas' Arrow columns over sharedmp memory travel as their chunks (reductions/arrow.py).
+    import pandas as pd
+
+    from .reductions import arrow
+    return [(cls, arrow.reduce_pandas_arrow) for cls in arrow.pandas_arrow_classes(pd)]
+
+
+# (module, its name in warnings, its reducers): registered once the module is imported
+_LIBRARIES = [("cupy", "CuPy", _cupy_reducers), ("polars", "Polars", _polars_reducers),
+              ("pyarrow", "pyarrow", _arrow_reducers), ("pandas", "pandas", _pandas_reducers)]
 
 
 def _initializing(module: Any) -> bool:
@@ -236,29 +258,3 @@ class _RunAfter:
                 spec.loader = self.loader
         self.then()
 
-
-def _install_arrow() -> None:
-    # Arrow buffers in sharedmp memory travel as its handle (reductions/arrow.py).
-    try:
-        import pyarrow as pa
-
-        from .reductions import arrow
-        ForkingPickler.register(pa.Buffer, arrow.reduce_arrow_buffer)
-        wire.reducers_changed()
-    except Exception as e:
-        warnings.warn(f"sharedmp: pyarrow support is off, its reducer failed to register: {e!r}",
-                      RuntimeWarning, stacklevel=2)
-
-
-def _install_pandas() -> None:
-    # pandas' Arrow columns over sharedmp memory travel as their chunks (reductions/arrow.py).
-    try:
-        import pandas as pd
-
-        from .reductions import arrow
-        for cls in arrow.pandas_arrow_classes(pd):
-            ForkingPickler.register(cls, arrow.reduce_pandas_arrow)
-        wire.reducers_changed()
-    except Exception as e:
-        warnings.warn(f"sharedmp: pandas support is off, its reducer failed to register: {e!r}",
-                      RuntimeWarning, stacklevel=2)

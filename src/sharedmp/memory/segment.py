@@ -484,11 +484,12 @@ def _reserve(fd, size, what, hint):
         raise
 
 
-def format_size(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def create(size: int, kind: str, zero: bool = True,
