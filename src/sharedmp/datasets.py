@@ -444,7 +444,7 @@ def _attach(mem: Any, kind: int) -> _Block:
         _check_index(np.frombuffer(keyoffsets, np.int64), len(sections[KEYS]), "key offsets")
         _check_index(np.frombuffer(directory, np.int64), n, "directory", exact=True)
         r = np.frombuffer(rows, np.int64)
-        if n and not (r.min() >= 0 and r.max() < n):
+        if n and not (np.min(r) >= 0 and np.max(r) < n):
             raise _corrupt("a key's row lies outside the records")
         block.keys = _Store(keyoffsets, sections[KEYS], None, None, memoryview(b""), 0)
         block.hashes, block.rows, block.directory = sections[HASHES].cast("Q"), rows, directory

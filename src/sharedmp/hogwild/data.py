@@ -57,9 +57,9 @@ def split(name: str, X: ArrayLike, y: ArrayLike, test_fraction: float = 0.25,
     features = np.asarray(X, dtype=np.float64)
     mean, std = features[train].mean(axis=0), features[train].std(axis=0)
     std[std == 0] = 1.0                       # constant features (digits has some): leave at 0
-    features = ((features - mean) / std).astype(np.float32)
+    scaled = ((features - mean) / std).astype(np.float32)
     labels = codes.astype(np.int64)
-    return Dataset(name, features[train], labels[train], features[test], labels[test], classes)
+    return Dataset(name, scaled[train], labels[train], scaled[test], labels[test], classes)
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Dataset:

@@ -155,7 +155,7 @@ class Node:
         params = self._flatten(model, extra=1.0 if training else 0.0)
         self._call(f"averaging round {self.rounds}",
                    lambda: dist.all_reduce(params, op=dist.ReduceOp.SUM))
-        still = params[-1].item() > 0           # nodes still training, summed
+        still = bool(params[-1].item() > 0)     # nodes still training, summed
         params /= self.world_size
         self._unflatten(model, params)
         return still

@@ -135,7 +135,7 @@ def train(model_factory: Callable[[], torch.nn.Module], data: Dataset, workers: 
             raise
         finally:
             watch.close_bar()
-    train_seconds = float(board.seconds.max())
+    train_seconds = float(np.max(board.seconds))
     test_accuracy = watch.accuracy()
     watch.curve.append((train_seconds, test_accuracy))
     step = opt.state[next(model.parameters())].get("step") if optimizer == "adam" else None

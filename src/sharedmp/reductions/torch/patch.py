@@ -67,7 +67,8 @@ def _is_shared(self: torch.UntypedStorage) -> bool:
 def _new_shared(cls: type, size: int, *, device: Any = "cpu") -> torch.UntypedStorage:
     if cls is torch.UntypedStorage and size > 0 and torch.device(device).type == "cpu":
         return new_shared_storage(size)
-    return _torch_new_shared(cls, size, device=device)  # type: ignore[no-any-return]
+    storage: torch.UntypedStorage = _torch_new_shared(cls, size, device=device)
+    return storage
 
 
 def installed() -> bool:

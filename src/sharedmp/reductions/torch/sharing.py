@@ -84,11 +84,11 @@ def is_shared(obj: object) -> bool:
 def empty(shape: int | Sequence[int], dtype: torch.dtype | None = None) -> torch.Tensor:
     """A CPU tensor of ``shape`` in sharedmp memory (zeros: fresh memory is zero)."""
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    shape = torch.Size((shape,) if isinstance(shape, int) else shape)
-    numel = shape.numel()
+    size = torch.Size((shape,) if isinstance(shape, int) else shape)
+    numel = size.numel()
     nbytes = numel * dtype.itemsize
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(size, dtype=dtype)
     mm, offset = arena.allocate(nbytes, get_sharing_strategy())
     t = frombuffer(mm, dtype, numel, offset)
     if t is None:
@@ -97,7 +97,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype | None = None) -> torch
     else:
         storage = t.untyped_storage()
     remember((id(mm), offset, nbytes), storage)
-    return t if len(shape) == 1 and t.numel() == numel else t.set_(storage, 0, shape)
+    return t if len(size) == 1 and t.numel() == numel else t.set_(storage, 0, size)
 
 
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None,
