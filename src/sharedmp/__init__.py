@@ -17,8 +17,8 @@ from . import registry as _registry
 # them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)
 from .channels.context import (  # type: ignore[assignment]
     JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context)
-from .errors import ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
-from .errors import ProcessExitedException, ProcessRaisedException
+from .errors import CudaError, ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
+from .errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from .memory.cache import empty as empty_cache
 from .strategy import get_all_sharing_strategies, get_sharing_strategy, set_sharing_strategy
 
@@ -32,9 +32,9 @@ __all__ += [
     "get_all_sharing_strategies", "get_sharing_strategy", "set_sharing_strategy",
     "empty", "zeros", "full", "empty_like", "zeros_like", "share", "share_memory_", "is_shared",
     "empty_cache", "SharedList", "SharedDict", "share_dataset",
-    "OutOfSharedMemory", "SegmentError", "ProtocolError", "ManagerError",
+    "OutOfSharedMemory", "SegmentError", "ProtocolError", "ManagerError", "CudaError",
     "spawn", "start_processes", "ProcessContext",
-    "ProcessRaisedException", "ProcessExitedException",
+    "ProcessException", "ProcessRaisedException", "ProcessExitedException",
 ]
 
 _registry.install()

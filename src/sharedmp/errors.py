@@ -18,6 +18,11 @@ class ManagerError(RuntimeError):
     """The file_system strategy's manager daemon is gone or refused this process."""
 
 
+class CudaError(RuntimeError):
+    """A CUDA driver call failed (the message names the call and its error), or CUDA memory
+    cannot be shared: raised at ``put()``, naming the setting that would make it shareable."""
+
+
 class ProcessException(Exception):
     """A child of ``mp.spawn()`` / ``mp.start_processes()`` failed (as torch's, picklable)."""
 

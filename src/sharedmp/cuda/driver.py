@@ -28,6 +28,7 @@ import threading
 from contextlib import contextmanager
 
 from .. import forks
+from ..errors import CudaError
 
 try:
     from cuda.bindings import driver as _cu
@@ -45,10 +46,6 @@ _initialised = False
 def initialised():
     """Whether this process has called cuInit through sharedmp."""
     return _initialised
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed."""
 
 
 def available():
