@@ -1,4 +1,18 @@
-"""Every reducer sharedmp installs, in one table; ``install()`` runs once, on import.
+"""Every reducer sharedmp installs is registered from here; ``install()`` runs once, on import.
+
+Where each one is named:
+
+- ``REDUCERS``: sharedmp's own classes (``Segment``, ``Connection``), registered at once;
+- ``_install_numpy`` and ``_install_torch``: NumPy's ndarray and torch's tensors, storages
+  and the rest (``reductions/torch/tensors.py``), each with its frame kind (``LAZY_FRAMES``)
+  and, for torch, the patch of torch's own functions; each a function of its own, since their
+  installation is more than a list of reducers (see below);
+- ``_LIBRARIES``: the other libraries whose classes exist only once they are imported (CuPy,
+  Polars, pyarrow, pandas), one entry each (module, its name in warnings, a function giving
+  its ``(class, reducer)`` pairs), registered by ``_register`` once the module is imported.
+
+A library whose reducers fail to register warns once and keeps its own pickling: sharedmp
+never breaks its import.
 
 Reducers go into ``multiprocessing.reduction.ForkingPickler``, which sharedmp's channels
 use and so do the standard ones (Process arguments under spawn and forkserver, Manager
