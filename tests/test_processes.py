@@ -204,7 +204,12 @@ def test_child_started_from_a_thread_outlives_that_thread(method):
 
 def test_start_from_a_thread_raises_in_that_thread():
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=w.touch, args=("unused", lambda: None))   # a lambda cannot be pickled
+    unpicklable = lambda: None                                        # noqa: E731
+    try:                    # the error pickle raises for it: its type and text vary by version
+        pickle.dumps(unpicklable)
+    except Exception as e:
+        expected = e
+    p = ctx.Process(target=w.touch, args=("unused", unpicklable))
     errors = []
 
     def starter():
@@ -216,7 +221,8 @@ def test_start_from_a_thread_raises_in_that_thread():
     t = threading.Thread(target=starter)
     t.start()
     t.join(TIMEOUT)
-    assert len(errors) == 1 and "pickle" in str(errors[0]).lower()
+    assert len(errors) == 1
+    assert type(errors[0]) is type(expected) and str(errors[0]) == str(expected)
     assert mp.active_children() == []
 
 
@@ -241,7 +247,7 @@ def test_pool_replacement_workers_survive_the_handler_thread(method, tasks):
 def test_keep_orphans_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv(pdeath.ENV, "maybe")
     p = mp.get_context("fork").Process(target=w.touch, args=("unused",))
-    with pytest.raises(ValueError, match="SHAREDMP_KEEP_ORPHANS.*set it to 1"):
+    with pytest.raises(ValueError, match=r"\$SHAREDMP_KEEP_ORPHANS must be 1 to let children outlive"):
         p.start()
     monkeypatch.setenv(pdeath.ENV, "0")
     assert pdeath.keep_orphans() is False
@@ -411,9 +417,20 @@ def test_exceptions_pickle_with_their_fields():
 
 # -- fork safety -----------------------------------------------------------------------------
 
+def _torch_or_none():
+    """torch where it is installed (3.11 here), else None: sharedmp's torch side and its
+    locks exist only once torch is imported."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
 def _module_locks():
-    """(module name, attribute) of every module-level lock of sharedmp, torch's included."""
-    pytest.importorskip("torch")
+    """(module name, attribute) of every module-level lock of sharedmp, torch's included
+    where torch is installed."""
+    _torch_or_none()
     import sharedmp.channels.queues  # noqa: F401  (imported on first use)
     import sharedmp.processes.spawn  # noqa: F401
     lock_types = (type(threading.Lock()), type(threading.RLock()))
@@ -448,12 +465,14 @@ def _fork_and_wait(child, timeout=TIMEOUT):
 
 
 def test_fork_while_other_threads_hold_every_sharedmp_lock():
-    import torch
+    torch = _torch_or_none()                 # without torch: every lock but torch's side's
     locks = _module_locks()
     names = {f"{m}.{a}" for m, a in locks}
-    assert {"sharedmp.memory.segment._lock", "sharedmp.memory.arena._lock",
-            "sharedmp.processes.pdeath._starter_lock",
-            "sharedmp.reductions.torch.storage._lock"} <= names
+    expected = {"sharedmp.memory.segment._lock", "sharedmp.memory.arena._lock",
+                "sharedmp.processes.pdeath._starter_lock"}
+    if torch is not None:
+        expected.add("sharedmp.reductions.torch.storage._lock")
+    assert expected <= names
     held, release = threading.Event(), threading.Event()
 
     def hold_all():
@@ -477,8 +496,11 @@ def test_fork_while_other_threads_hold_every_sharedmp_lock():
                 getattr(sys.modules[m], a).release()
             a = mp.zeros(1000)                        # arena and segment
             a += 1
-            t = mp.share_memory_(torch.ones(10))      # torch's move path
-            return (a.sum() == 1000 and t.is_shared()
+            if torch is not None:
+                t = mp.share_memory_(torch.ones(10))  # torch's move path
+                if not t.is_shared():
+                    return False
+            return (a.sum() == 1000
                     and pdeath._start_on_lasting_thread(lambda: 42) == 42)   # a new starter
 
         assert _fork_and_wait(child) == 0
