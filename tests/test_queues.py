@@ -193,6 +193,32 @@ def test_close_without_put():
     q.join_thread()                                      # no feeder: nothing to join
 
 
+@pytest.mark.parametrize("kind", TIMED)
+@pytest.mark.parametrize("used", ["never", "directly", "by the feeder"])
+def test_empty_after_close_as_multiprocessing(kind, used):
+    """multiprocessing's close() is a no-op before the first put(): empty() is still True;
+    after a put() (the feeder ended by join_thread) empty() raises OSError "is closed".
+    3.10 to 3.13 alike; CPython 3.13's test_closed_queue_empty_exceptions checks it."""
+    q = make(kind)
+    if used == "directly":
+        q.put("x")
+        assert q._thread is None and q.get(timeout=TIMEOUT) == "x"
+    elif used == "by the feeder":
+        n = 0
+        while q._thread is None:                         # a full socket starts the feeder
+            q.put(b"x" * 60_000)
+            n += 1
+        for _ in range(n):
+            assert q.get(timeout=TIMEOUT) == b"x" * 60_000
+    q.close()
+    q.join_thread()
+    if used == "never":
+        assert q.empty()
+    else:
+        with pytest.raises(OSError, match="is closed"):
+            q.empty()
+
+
 def test_join_thread_needs_close():
     q = make("Queue")
     q.put(1)
