@@ -9,6 +9,7 @@ import concurrent.futures
 import multiprocessing
 import multiprocessing.pool
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -50,6 +51,19 @@ def test_context_factories_are_sharedmp(start_method):
     # the standard parts are the standard ones
     assert type(ctx.Lock()) is type(std.Lock())
     assert type(ctx.Event()) is type(std.Event())
+
+
+def _public(cls):
+    return {n for n in dir(cls) if not n.startswith("_")}
+
+
+def test_processes_have_the_public_methods_of_this_pythons(start_method):
+    """No more, no fewer than the standard Process of the running Python: 3.14's interrupt()
+    (SIGINT, through the standard Popen) comes by inheritance; 3.10-3.13 have none."""
+    ctx, std = mp.get_context(start_method), multiprocessing.get_context(start_method)
+    assert _public(ctx.Process) == _public(std.Process)
+    assert _public(mp.Process) == _public(multiprocessing.Process)
+    assert hasattr(ctx.Process, "interrupt") == (sys.version_info >= (3, 14))
 
 
 def test_get_context_unknown_method():
