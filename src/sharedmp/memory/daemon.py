@@ -1,54 +1,109 @@
 """The file_system strategy's manager daemon: unlinks each named segment when its last user
-lets go.
+lets go. This docstring is the one description of its protocol (the README,
+``docs/reference.md`` and ``manager.py``, the client, point here).
 
 Run as a script by ``manager.py`` (``python -I -S daemon.py SOCKET_PATH LISTEN_FD``) in its own
 session, so that Ctrl-C or a killed process group does not take it down with its clients.
 It uses the standard library only, to start in milliseconds.
 
-Protocol. A client connects to the UNIX socket (in a private 0700 directory) and reads
-``OK <daemon pid>\\n`` -- or ``NO <reason>\\n`` and the end, if its uid is not the daemon's
-(``SO_PEERCRED``). That is the only wait. It answers ``HELLO <pid>\\n``, then writes records,
-never waiting for an answer, one line each, ``<op> <path>``:
+Where. The first process of a program that needs a daemon makes a private directory
+(``tempfile.mkdtemp(prefix="sharedmp-")``, mode 0700) under ``$XDG_RUNTIME_DIR`` if that is
+set and writable, else under Python's temporary directory (``tempfile.gettempdir()``:
+``$TMPDIR``, else ``/tmp``, ...), binds ``manager.sock`` there, listens, and starts this
+script with the listening fd, so that it can connect before the daemon even runs. It sets
+``$SHAREDMP_MANAGER`` to the socket's path: its children, which inherit it, use the same
+daemon. A socket path that is gone means a daemon that exited cleanly (a client starts a new
+one); a socket nobody listens on, one that was killed (``ManagerError``).
 
-    C  created: this client holds the segment (sent before the file is made)
-    H  holds: a fork child maps what it inherited; ``H <path>\0<inode>``: a receiver maps it,
-       from a message that carried the token whose pipe has this inode (see ``t``)
-    S  sent: one more reference in flight (pickled for a channel)
-    R  received: this client holds it, and one in-flight reference is consumed
-    D  dropped: this client no longer maps it
-    F  forget: this client does not hold it after all (a name that was taken), never unlink
-    P  ``P <path>\0<next>``: parked. The client made the segment and keeps it for reuse (its
-       own views of it are gone); ``next`` is the name it will have when reused, held by the
-       client from now on. Once no other client holds the segment and no reference to it is
-       in flight (the rule of two passes below), the daemon renames it to ``next``'s name in
-       the pool directory, ``<dir>/.sharedmp-pool-<daemon pid>/`` (0700, same filesystem):
-       it leaves the directory's listing, and the client, which reuses it by renaming it
-       back to ``next`` (a rename that fails: not free yet), needs no answer. A later
-       ``C``/``H``/``R`` of the parker (it maps it again) or its ``D``/``F`` cancels the park.
-    T  ``T <id> <path>\0<path>...``: a new token ``id`` of the client, passed with the record
-       (SCM_RIGHTS: the read end of a pipe whose write end travels in the messages), and one
-       more reference in flight for each path, held by it. When every copy of the write
-       end is closed (the messages were received, or can no longer be), the pipe ends and
-       the references with it.
-    t  ``t <id> <path>\0<path>...``: the same for a token already passed. The pipe and the
-       socket are read in no set order, so this may be read after the token's end: its
-       messages are gone by then (a receiver says ``H`` before it closes its copy), and
-       these references are not counted. A client says ``t`` once per token and path: the
-       reference is that of the first message naming the path, and the receiver's ``H``
-       with the token's inode ends it at once (a fresh segment per message is free as soon
-       as it is received and let go, not only once its token ends).
-    u  ``u <id> <path>\0...``: a second message on the token names these paths: their
-       references are held until the token's end (``H`` no longer ends them), counted
-       again if one ended already. Said before that message is sent, so before any ``H``
-       it causes: whatever made a segment look free is undone by the confirming read.
-    ?  (path ignored) answer one line ``STATS <clients> <segments> <in flight> <tokens>
-       <pooled>`` (diagnostics; tokens: the open ones, and the ids clients may still use;
-       pooled: names held for reuse, ``P``)
+Handshake. A client connects and reads ``OK <daemon pid>\\n`` -- or ``NO <reason>\\n`` and the
+end, if its uid is not the daemon's (``SO_PEERCRED``), or ``FULL <reason>\\n`` and the end, if
+the daemon is out of fds (below). That is the only wait. It answers ``HELLO <pid>\\n`` (a
+first line that is not one: the daemon hangs up), then writes records, never waiting for an
+answer, one line each, ``<op> <argument>``. A path is absolute and its name is a segment's
+(``sharedmp_`` and 20 hex digits): a record naming anything else is ignored, so the daemon
+never touches a file that is not a sharedmp segment. Several values in one argument are
+separated by NUL. Unknown ops are ignored; a line longer than ``MAX_LINE`` ends the
+connection. Fds come with the bytes of a record (SCM_RIGHTS, at most 253 in one
+``recvmsg``; the client sends at most 250 in one ``sendmsg``) and are queued for the ``T``
+records that follow, in order. The client's functions that write each record are named in
+parentheses.
+
+    C  <path>  created (``manager.created``): this client holds the segment. Sent before
+       the file is made (``O_EXCL``), so that a creator killed at any point leaves nothing.
+    H  <path>  holds (``manager.holds``): this client maps the segment now: a fork child
+       for what it inherited (its first records on its own connection), or a receiver on a
+       sharedmp channel whose message's token is not known. ``H <path>\\0<inode>``: a
+       receiver on a sharedmp channel, from a message that carried the token whose pipe has
+       this inode (``fstat`` of the token fd it received). If that message's reference is the
+       token's only one for the path and not held (see ``t``, ``u``), it ends here. An ``H``
+       read before the ``t`` it ends is remembered for this read of every client and the
+       next (the ``t`` was written before the ``H``, so that read finds it).
+    S  <path>  sent (``manager.sent``): one more reference in flight, for a message on any
+       other channel (a standard library queue or pipe, spawn arguments). While it is in
+       flight the daemon keeps an fd of the file open, within a budget of a quarter of its fd
+       limit, so that ``doctor --clean`` sees it in use.
+    R  <path>  received (``manager.received``): this client holds it, and one reference in
+       flight is consumed (the receiver of an ``S``).
+    D  <path>  dropped (``manager.dropped``): this client no longer maps it.
+    F  <path>  forget (``manager.forget``): this client does not hold it after all (the name
+       was taken by another file, or nothing was made); if no one else holds it and nothing
+       is in flight, the daemon forgets it without unlinking.
+    P  <path>\\0<next>  parked (``manager.parked``, see ``recycle.py``): the client made the
+       segment and keeps it for reuse (its own views of it are gone); ``next`` (a fresh name
+       in the same directory) is the name it will have when reused, held by the client from
+       now on. Only a holder parks, and ``next`` must be unknown or a name this client alone
+       holds for reuse. Once no other client holds the segment and no reference to it is in
+       flight (the rule of two passes below), the daemon renames it to ``next``'s name in
+       the pool directory, ``<dir>/.sharedmp-pool-<daemon pid>/`` (0700, made on first use,
+       same filesystem): it leaves the directory's listing, and the client, which reuses it
+       by renaming it back to ``next`` (a rename that fails: not free yet), needs no answer.
+       A later ``C``/``H``/``R`` of the parker (it maps it again) or its ``D``/``F`` cancels
+       the park.
+    T  <id> [<path>\\0<path>...]  a new token ``id`` of the client (``Tokens``, below),
+       passed with the record (the read end of a pipe whose write end travels in the
+       messages), and one more reference in flight for each path, held by it (the client
+       sends it with no path: its paths come in ``t``). When every copy of the write end is
+       closed, the pipe ends and the token's references with it. A ``T`` whose fd did not
+       arrive makes a token that never ends: its references stay until the daemon exits.
+    t  <id> <path>\\0<path>...  the same for a token already passed. The pipe and the socket
+       are read in no set order, so this may be read after the token's end: its messages
+       are gone by then (a receiver says ``H`` before it closes its copy), and the record is
+       ignored. A client says ``t`` once per token and path: the reference is that of the
+       first message naming the path, and the receiver's ``H`` with the token's inode ends it
+       at once (a fresh segment per message is free as soon as it is received and let go,
+       not only once its token ends).
+    u  <id> <path>\\0...  a second message on the token names these paths: their references
+       are held until the token's end (``H`` no longer ends them), counted again if one ended
+       already. Said before that message is sent, so before any ``H`` it causes: whatever
+       made a segment look free is undone by the confirming read. Once per token and path.
+    ?  <anything>  answer one line ``STATS <clients> <segments> <in flight> <tokens>
+       <pooled>`` (``manager.stats``, ``doctor``; the asking connection is one of the
+       clients; tokens: the open ones, and the ids clients may still use; pooled: names held
+       for reuse, ``P``).
+
+Tokens, the client's side (``manager.Tokens``, one per channel end in each sending
+process). A message of a sharedmp channel that names segments carries, as its last fd, a
+copy of the write end of its channel end's current token, and the client tells the daemon
+the names (``t``, ``u``) before the message is sent. A token serves the messages of
+``ROTATE`` (0.05) s, then the next message opens a new one (``T``); at most ``MAX_OPEN`` (8)
+of a channel end's tokens are open at once (the client keeps a read end of each to know),
+and past that it keeps its current one longer. The client lets go of its current token once
+unused for ``$SHAREDMP_CACHE_IDLE`` s (the cache thread: so also once the channel is closed),
+at ``mp.empty_cache()``, when the channel end is collected, when a segment its messages
+named more than once is parked (``u``: so that it is free once they are taken), and with its
+connection to the daemon (a token belongs to one). The kernel closes every copy of the write
+end once the channel end has let go and each message that carries it was read (the receiver
+said ``H`` first), destroyed unread with its channel, or never sent (its sender killed). So
+the daemon's fds do not grow with the messages in flight: a socket per client and at most
+``MAX_OPEN`` + 1 pipes per channel end and sending process (``tests/test_manager.py`` puts
+20,300 messages without reading them; before tokens were shared, 1,964 pipes were open). A
+receiver of a message without a token (other channels) says ``R``; one that never comes
+keeps its ``S`` in flight until the daemon exits.
 
 A segment is unlinked when no client holds it and no reference is in flight (a pooled one
 under both its names). A client that disconnects (exit, SIGKILL) drops what it held: its
-parked and pooled segments too. In-flight references belong to no
-client: a sender may exit as soon as its message is in the kernel.
+parked and pooled segments too. In-flight references belong to no client: a sender may exit
+as soon as its message is in the kernel.
 
 Ordering. Records of one client are applied in order. Records of different clients are
 not ordered by the kernel, and a receiver's ``R``/``D`` may be read before the sender's
@@ -57,21 +112,26 @@ a segment whose count reaches zero is unlinked (or, parked, moved to the pool) o
 is still zero after one more read of every client (anything written before the zero was
 read is read by then). That read is made at once, in the same pass.
 
+Lifetime. The daemon raises its soft ``RLIMIT_NOFILE`` to the hard limit as it starts. It
+waits ``STARTUP`` s for its first client. Once every client has gone it waits up to
+``LINGER`` s for a new one if references are still in flight (a receiver about to connect),
+then removes its socket first (a client that finds no socket starts a fresh daemon), unlinks
+whatever is left, removes its pool directories and exits.
+
 How it fails:
 - A client SIGKILLed mid-message: on a sharedmp channel the kernel closes its copy of the
   token; the message never left, so the token ends (or ends with the messages sent).
   On other channels its ``S`` stays in flight until the daemon exits (every client
   gone); a message never received likewise.
 - The daemon SIGKILLed: clients see the connection end and raise ``ManagerError`` on
-  their next file_system allocation or attach; the segments stay until
-  ``python -m sharedmp doctor --clean`` removes those no live process maps or holds open.
-  While it lives, the daemon holds an fd of each segment with references in flight (within
-  a quarter of its fd limit), so doctor does not remove one that a message still carries.
+  their next file_system allocation, send or attach; the segments stay until
+  ``python -m sharedmp doctor --clean`` removes those no live process maps or holds open
+  (and empties the killed daemon's pool directory). While it lives, the daemon holds an fd
+  of each segment with references in flight (within a quarter of its fd limit), so doctor
+  does not remove one that a message still carries.
 - Out of fds (EMFILE, ENFILE): it answers a client it cannot take ``FULL <why>`` on a spare
-  fd kept for that, and serves the others. Its own fds: a socket per client and a pipe per
-  open token (a few per channel end, ``manager.Tokens``), not one per message.
-- Every client gone: the daemon waits up to ``LINGER`` seconds for a new one if
-  references are still in flight, then unlinks whatever is left and exits.
+  fd kept for that (the client raises ``ManagerError`` naming the limit and ``ulimit -n``),
+  and serves the others.
 """
 import array
 import collections

@@ -1,38 +1,13 @@
-"""The client side of the file_system manager daemon (``daemon.py`` states the protocol).
+"""The client side of the file_system manager daemon.
 
-Every process that makes, receives or sends a named segment keeps one connection to the
-daemon of its program and tells it, without waiting for an answer, what it holds:
+Every process that makes, receives or sends a named segment keeps one connection to its
+program's daemon and tells it, without waiting for an answer, what it holds and what is in
+flight; a message of a sharedmp channel carries a token (``Tokens``) whose pipe holds its
+references. The protocol, the tokens and the daemon's rules are written once: ``daemon.py``.
 
-    created(path)    before the file is made         C
-    sent(path)       a message carries the name       S  (one reference in flight)
-    received(path)   a message's name was attached    R  (holds it; consumes one)
-    dropped(path)    the last view here died          D
-    forget(path)     the name was taken by another    F
-    parked(path, n)  its creator keeps it for reuse   P  (as ``n``, once free: see recycle.py)
-    Tokens.carry()   a sharedmp channel's message     T/t (references in flight, held by a
-                                                      token), u (a name a message named before)
-
-Records go out in order on one socket; a record posted from a finalizer (``dropped``)
-never blocks on the lock: a thread holding it sends what is queued before it leaves.
-
-A message of a sharedmp channel carries a token fd beside its segments' fds: the write
-end of a pipe whose read end the daemon holds (passed with the token's ``T`` record). Each
-channel end keeps one token for its messages (``Tokens``: ``ROTATE`` s, at most
-``MAX_OPEN`` open) and tells the daemon once per token and name (``t``). The kernel closes
-every copy of the write end once the channel end has let go and each message that carries
-it can no longer be received (read: the receiver told the daemon it holds the names, ``H``,
-before; the channel destroyed unread; the sender died before sending). The daemon sees the
-end of the pipe and drops the references. A receiver that maps a name anew says so with
-the token's pipe inode (``holds``): the reference of that message ends at once, so that a
-segment sent once is free as soon as its receivers let go (its creator reuses it, see
-recycle.py), not only when the token ends. Elsewhere (a standard channel, spawn arguments)
-``sent`` counts one reference that the receiver's ``received`` consumes.
-
-Which daemon: the one named by ``$SHAREDMP_MANAGER`` (inherited from the process that
-started it, so children reuse their parent's), else a new one, started here in its own
-session, listening in a fresh 0700 directory. A daemon that exited cleanly (its socket is
-gone) is replaced by a fresh one; one that was killed (socket left, nobody listening) or
-that refuses this process is a ``ManagerError`` that says what to do.
+Records go out in order on one socket; a record posted from a finalizer (``dropped``,
+``parked``) never blocks on the lock: a thread holding it sends what is queued before it
+leaves.
 """
 import array
 import collections
