@@ -3,16 +3,20 @@
 The part between the two rulers is the seed's code, unchanged except for the import.
 The seed leaves its data, optimizer and sizes undefined; they are defined above it:
 scikit-learn's bundled 8x8 digits (no download) and plain SGD over the shared model.
-Like the seed, it relies on the fork start method (``mp.Process`` is the standard one;
-fork is the Linux default before Python 3.14): the children inherit ``optimizer`` and
-``data_loader``, and ``model.share_memory()`` makes the parameters they step shared.
+Like the seed, it relies on the fork start method (``mp.Process`` is the standard one):
+the children inherit ``optimizer`` and ``data_loader``, and ``model.share_memory()`` makes
+the parameters they step shared. Fork is the Linux default before Python 3.14 only
+(forkserver from 3.14), so it is set here, above the seed's code.
 
     python examples/hogwild.py        # needs torch and scikit-learn (the "demo" extra)
 """
+import multiprocessing
+
 import torch
 import torch.nn as nn
 from sklearn.datasets import load_digits
 
+multiprocessing.set_start_method("fork")   # the seed's (the default before Python 3.14)
 torch.set_num_threads(1)          # 4 processes on a few cores: one thread each
 torch.manual_seed(0)
 X, y = load_digits(return_X_y=True)
