@@ -72,7 +72,6 @@ that use CUDA need (a forked child of a process that has initialised CUDA cannot
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 import time
@@ -90,7 +89,7 @@ try:
 except ImportError as e:
     raise ImportError("sharedmp.joblib needs joblib: pip install 'sharedmp[joblib]'") from e
 
-from . import forks
+from . import forks, settings
 from . import strategy as _strategy
 from .memory import cache as _cache
 from .memory import views as _views
@@ -99,8 +98,7 @@ from .channels import context as _context
 __all__ = ["BACKEND_NAME", "SharedmpBackend", "register", "release_pool"]
 
 BACKEND_NAME = "sharedmp"
-IDLE_ENV = "SHAREDMP_JOBLIB_IDLE"
-DEFAULT_IDLE = 300.0          # loky's idle_worker_timeout
+IDLE_ENV = settings.JOBLIB_IDLE    # default 300 s: loky's idle_worker_timeout
 # sharedmp's context of a start method (None: multiprocessing's current one).
 _get_context: Callable[[str | None], Any] = _context.get_context
 
@@ -264,19 +262,11 @@ def _check_options(options: Iterable[str]) -> None:
 
 def _idle_timeout(value: Any) -> float:
     """Seconds a pool is kept warm: ``value``, else $SHAREDMP_JOBLIB_IDLE, else 300."""
-    where = _IDLE_OPTION
     if value is None:
-        raw = os.environ.get(IDLE_ENV, "")
-        if not raw:
-            return DEFAULT_IDLE
-        where = f"${IDLE_ENV}"
-        try:
-            value = float(raw)
-        except ValueError:
-            value = raw
+        return float(settings.get(IDLE_ENV))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{where} must be a number of seconds >= 0 (0: no warm pool, a pool "
-                         f"per Parallel call), not {value!r}")
+        raise ValueError(f"{_IDLE_OPTION} must be a number of seconds >= 0 (0: no warm pool, "
+                         f"a pool per Parallel call), not {value!r}")
     return float(value)
 
 
@@ -289,7 +279,7 @@ class _Lent:
         self.pool = pool
         self.key = key
         self.workers = list(pool._pool)     # the Process objects: a dead one has an exit code
-        self.idle = DEFAULT_IDLE
+        self.idle = settings.VARIABLES[IDLE_ENV].default
         self.since = time.monotonic()       # when it was given back
         # Forked workers know __main__ as it was now: see _main_state.
         self.main = _main_state() if key[1] == "fork" else None

@@ -8,11 +8,11 @@ choice is written back to ``SHAREDMP_SHARING_STRATEGY``, so that children starte
 later (spawn, forkserver started afterwards, fork) inherit it; sharedmp's own
 ``Process`` also carries it explicitly (a forkserver may predate the choice).
 """
-import os
 
+from . import settings
 from .memory.segment import HAVE_MEMFD
 
-ENV = "SHAREDMP_SHARING_STRATEGY"
+ENV = settings.SHARING_STRATEGY
 _ALL = ("file_descriptor", "file_system") if HAVE_MEMFD else ("file_system",)
 _DEFAULT = _ALL[0]
 
@@ -38,15 +38,15 @@ def get_sharing_strategy() -> str:
     default."""
     global _current
     if _current is None:
-        name = os.environ.get(ENV)
-        _current = _DEFAULT if not name else _check(name, f" in ${ENV}")
+        _current = _check(settings.get(ENV), "")
     return _current
 
 
 def set_sharing_strategy(name: str) -> None:
     """Choose the strategy for new shared memory here and in children started afterwards."""
     global _current
-    os.environ[ENV] = _current = _check(name, "")
+    settings.export(ENV, _check(name, ""))
+    _current = name
 
 
 def reload_from_environment() -> None:

@@ -24,7 +24,7 @@ import time
 from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import wire
+from .. import settings, wire
 from ..memory import manager
 from ..wire import dumps, loads
 from . import fdpass, flow
@@ -41,7 +41,7 @@ SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}m
 # of a small message takes when its peer answers at once (16 us): without this a request
 # and its answer take 4-5x as long as they need whenever the scheduler puts the two
 # processes on different CPUs. A wait that lasts longer costs SPIN of CPU once.
-SPIN_ENV = "SHAREDMP_SPIN_US"
+SPIN_ENV = settings.SPIN_US
 _spin: float | None = None
 
 
@@ -49,15 +49,7 @@ def spin_seconds() -> float:
     """$SHAREDMP_SPIN_US (microseconds; 0 turns spinning off; default 50), read once."""
     global _spin
     if _spin is None:
-        value = os.environ.get(SPIN_ENV, "50")
-        try:
-            us = float(value)
-        except ValueError:
-            us = -1.0
-        if not 0 <= us <= 1e6:
-            raise ValueError(f"${SPIN_ENV} must be a number of microseconds from 0 (no "
-                             f"spinning) to 1000000, not {value!r}")
-        _spin = us / 1e6
+        _spin = settings.get(SPIN_ENV) / 1e6
     return _spin
 
 

@@ -35,25 +35,19 @@ import os
 import threading
 import weakref
 
-from .. import forks
+from .. import forks, settings
 from ..memory import manager, segment
 
-ENV = "SHAREDMP_WINDOW_BYTES"
+ENV = settings.WINDOW_BYTES
 DEFAULT = 8 << 20
 _FRACTION_OF_AVAILABLE = 64
 
 
 def window_bytes() -> int:
     """The window of a connection made now: $SHAREDMP_WINDOW_BYTES, else the default."""
-    value = os.environ.get(ENV)
-    if value:
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(f"${ENV} must be a number of bytes, not {value!r}") from None
-        if n <= 0:
-            raise ValueError(f"${ENV} must be positive, not {n}")
-        return n
+    n = settings.get(ENV)
+    if n is not None:
+        return n  # type: ignore[no-any-return]
     # (read at most once a second: a Pool starts several connections at once)
     avail = segment._available_memory_cached(1.0)
     if avail is None:                 # (no /proc/meminfo)

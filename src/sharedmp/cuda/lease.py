@@ -56,12 +56,12 @@ import time
 import warnings
 from multiprocessing import util
 
-from .. import forks
+from .. import forks, settings
 
 RECORD = 17
 CLAIM, RELEASE = b"C", b"R"
-EXIT_TIMEOUT_ENV = "SHAREDMP_CUDA_EXIT_TIMEOUT"
-EXIT_UNCLAIMED_ENV = "SHAREDMP_CUDA_EXIT_UNCLAIMED"
+EXIT_TIMEOUT_ENV = settings.CUDA_EXIT_TIMEOUT
+EXIT_UNCLAIMED_ENV = settings.CUDA_EXIT_UNCLAIMED
 _UCRED = struct.Struct("3i")
 
 
@@ -70,21 +70,14 @@ def new_token():
     return secrets.token_bytes(16)
 
 
-def _seconds(env, default):
-    try:
-        return max(0.0, float(os.environ.get(env, default)))
-    except ValueError:
-        return default
-
-
 def exit_timeout():
     """Seconds a sender waits at exit for receivers to release what they claimed."""
-    return _seconds(EXIT_TIMEOUT_ENV, 5.0)
+    return float(settings.get(EXIT_TIMEOUT_ENV))
 
 
 def exit_unclaimed():
     """Seconds a sender waits at exit for messages not received yet (at most exit_timeout)."""
-    return min(_seconds(EXIT_UNCLAIMED_ENV, 2.0), exit_timeout())
+    return min(float(settings.get(EXIT_UNCLAIMED_ENV)), exit_timeout())
 
 
 class _Lease:

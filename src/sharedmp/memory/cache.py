@@ -35,10 +35,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .. import forks
+from .. import forks, settings
 
-ENV = "SHAREDMP_CACHE_IDLE"
-DEFAULT_IDLE = 1.0
+ENV = settings.CACHE_IDLE
 TICK = 0.25
 STATS_NAME = "stats.sharedmp"     # (not "sharedmp...": leak checks look for those)
 STATS_SIZE = 4096
@@ -66,13 +65,7 @@ def idle() -> float:
     """Seconds an unused cache entry is kept ($SHAREDMP_CACHE_IDLE, read once)."""
     global _idle
     if _idle is None:
-        raw = os.environ.get(ENV, "")
-        try:
-            _idle = float(raw) if raw else DEFAULT_IDLE
-        except ValueError:
-            raise ValueError(f"${ENV} must be a number of seconds, not {raw!r}") from None
-        if not _idle >= 0:
-            raise ValueError(f"${ENV} must be a number of seconds >= 0, not {raw!r}")
+        _idle = float(settings.get(ENV))
     return _idle
 
 

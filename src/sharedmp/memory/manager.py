@@ -22,11 +22,11 @@ import threading
 import time
 import weakref
 
-from .. import forks
+from .. import forks, settings
 from ..errors import ManagerError
 from . import cache
 
-ENV = "SHAREDMP_MANAGER"
+ENV = settings.MANAGER
 HELLO_TIMEOUT = 10.0
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "daemon.py")
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)   # EPIPE as an exception even if SIGPIPE is default
@@ -96,20 +96,12 @@ def _hello(path):
         raise
 
 
-def _runtime_dir():
-    d = os.environ.get("XDG_RUNTIME_DIR")
-    if d and os.access(d, os.W_OK | os.X_OK):
-        return d
-    import tempfile                      # (deferred, as below: most programs never need them)
-    return tempfile.gettempdir()
-
-
 def _start():
     """Start a daemon of our own; the (connection, pid, path)."""
     global _popen
     import subprocess
     import tempfile
-    directory = tempfile.mkdtemp(prefix="sharedmp-", dir=_runtime_dir())     # mode 0700
+    directory = tempfile.mkdtemp(prefix="sharedmp-", dir=settings.runtime_dir())     # mode 0700
     path = os.path.join(directory, "manager.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -137,7 +129,7 @@ def _connect():
     global _sock, _daemon, _generation
     if _dead is not None:
         raise ManagerError(_dead)
-    path = os.environ.get(ENV)
+    path = settings.get(ENV)
     s = None
     if path:
         try:
@@ -146,7 +138,7 @@ def _connect():
             pass
     if s is None:
         s, pid, path = _start()
-        os.environ[ENV] = path           # children started from now on use this daemon
+        settings.export(ENV, path)       # children started from now on use this daemon
     _sock, _daemon = s, (pid, path)
     _generation += 1
 
@@ -514,7 +506,7 @@ def address() -> str:
 def adopt(path: str | None) -> None:
     """(in a child) Use the daemon at ``path`` unless this process already talks to one."""
     if _sock is None and path:
-        os.environ[ENV] = path
+        settings.export(ENV, path)
 
 
 def daemon_pid():
@@ -550,7 +542,7 @@ def find_daemons():
     A socket nobody listens on is a daemon that was killed: its directory is stale.
     """
     out = []
-    base = _runtime_dir()
+    base = settings.runtime_dir()
     try:
         names = [n for n in os.listdir(base) if n.startswith("sharedmp-")]
     except OSError:

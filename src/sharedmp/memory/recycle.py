@@ -63,14 +63,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import forks
+from .. import forks, settings
 from . import cache, manager
 
 if TYPE_CHECKING:
     import mmap
 
-ENV = "SHAREDMP_RECYCLE_BYTES"
-DEFAULT_LIMIT = 256 << 20
+ENV = settings.RECYCLE_BYTES
 MAX_ENTRIES = 16
 # take_named tries this many named segments of the size asked for, oldest first, before it
 # gives up: each try is a rename that fails (ENOENT) until the daemon has found it free.
@@ -90,11 +89,7 @@ def limit():
     """Bytes of segments kept for reuse at most ($SHAREDMP_RECYCLE_BYTES, read once)."""
     global _limit
     if _limit is None:
-        try:
-            _limit = max(0, int(os.environ.get(ENV, DEFAULT_LIMIT)))
-        except ValueError:
-            raise ValueError(f"${ENV} must be a number of bytes (0 turns recycling off), "
-                             f"not {os.environ[ENV]!r}") from None
+        _limit = settings.get(ENV)
     return _limit
 
 

@@ -53,14 +53,14 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Union
 
-from .. import forks
+from .. import forks, settings
 from ..errors import OutOfSharedMemory, SegmentError
 from . import cache, manager, recycle
 
 HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
 SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if HAVE_MEMFD else 0
-SHM_DIR_ENV = "SHAREDMP_SHM_DIR"
+SHM_DIR_ENV = settings.SHM_DIR
 PREFIX = "sharedmp_"
 # A segment's name: PREFIX and 80 random bits in hex, short enough for macOS's 31-character
 # shm names. The one pattern of sharedmp's names (daemon.py, a stdlib-only script, keeps a
@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 
 def shm_dir() -> str:
     """Where named segments live: $SHAREDMP_SHM_DIR, else /dev/shm."""
-    return os.environ.get(SHM_DIR_ENV) or "/dev/shm"
+    return settings.get(SHM_DIR_ENV)  # type: ignore[no-any-return]
 
 
 class Segment:

@@ -35,7 +35,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import forks
+from .. import forks, settings
 
 if TYPE_CHECKING:
     import multiprocessing.process
@@ -46,23 +46,15 @@ if TYPE_CHECKING:
 else:
     ProcessBase = object
 
-ENV = "SHAREDMP_KEEP_ORPHANS"
+ENV = settings.KEEP_ORPHANS
 HAVE_PDEATHSIG = sys.platform.startswith("linux")
 SIGNAL = signal.SIGKILL
 _PR_SET_PDEATHSIG = 1
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
 
 
 def keep_orphans():
     """True if $SHAREDMP_KEEP_ORPHANS asks that children may outlive their parent."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(f"{ENV}={os.environ[ENV]!r} is not understood: set it to 1 to let children "
-                     "outlive their parent, or to 0 (or unset it) for children that die with it")
+    return settings.get(ENV)  # type: ignore[no-any-return]
 
 
 class DieWithParent(ProcessBase):

@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import operator
-import os
 import signal
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, overload
 
+from .. import settings
 from ..channels.context import get_context
 from ..errors import ProcessExitedException, ProcessRaisedException
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
 _TERM_WAIT = 30          # seconds between SIGTERM and SIGKILL when no grace_period is given
-ENV_VAR_PARALLEL_START = "TORCH_MP_PARALLEL_START"      # torch's name and variable
+ENV_VAR_PARALLEL_START = settings.PARALLEL_START      # torch's name and variable
 log = logging.getLogger("torch.multiprocessing.spawn")       # (creating it imports nothing)
 
 
@@ -219,7 +219,7 @@ def start_processes(fn: Callable[..., object], args: Iterable[Any] = (), nprocs:
         processes[i] = p
 
     try:
-        if start_method == "forkserver" and os.environ.get(ENV_VAR_PARALLEL_START, "0") == "1":
+        if start_method == "forkserver" and settings.get(ENV_VAR_PARALLEL_START):
             with ThreadPoolExecutor(max_workers=nprocs) as executor:
                 for future in [executor.submit(start, i) for i in range(nprocs)]:
                     future.result()
