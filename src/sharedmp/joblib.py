@@ -89,7 +89,7 @@ try:
 except ImportError as e:
     raise ImportError("sharedmp.joblib needs joblib: pip install 'sharedmp[joblib]'") from e
 
-from . import forks, settings
+from . import _compat, forks, settings
 from . import strategy as _strategy
 from .memory import cache as _cache
 from .memory import views as _views
@@ -278,7 +278,7 @@ class _Lent:
     def __init__(self, pool: Any, key: tuple[Any, ...]) -> None:
         self.pool = pool
         self.key = key
-        self.workers = list(pool._pool)     # the Process objects: a dead one has an exit code
+        self.workers = _compat.pool_workers(pool)   # a dead one has an exit code
         self.idle = settings.VARIABLES[IDLE_ENV].default
         self.since = time.monotonic()       # when it was given back
         # Forked workers know __main__ as it was now: see _main_state.
@@ -287,8 +287,8 @@ class _Lent:
     def healthy(self) -> bool:
         """Running, none of its workers died other than by maxtasksperchild (exit 0), and
         (forked) what its workers know of ``__main__`` is still so."""
-        from multiprocessing.pool import RUN
-        return (self.pool._state == RUN and all(p.exitcode in (None, 0) for p in self.workers)
+        return (_compat.pool_running(self.pool)
+                and all(p.exitcode in (None, 0) for p in self.workers)
                 and (self.main is None or _same_main(self.main)))
 
     def fits(self, key: tuple[Any, ...]) -> bool:
@@ -358,7 +358,7 @@ def _give_back(lent: _Lent) -> None:
     global _warm
     old: _Lent | None = lent
     if lent.idle > 0 and lent.healthy():
-        lent.workers = list(lent.pool._pool)  # (maxtasksperchild replaces workers)
+        lent.workers = _compat.pool_workers(lent.pool)  # (maxtasksperchild replaces workers)
         lent.since = time.monotonic()
         with _lock:
             old, _warm = _warm, lent

@@ -13,7 +13,7 @@ import multiprocessing
 import multiprocessing.context as _std
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
-from .. import strategy
+from .. import _compat, strategy
 from ..errors import ManagerError
 from ..memory import manager
 from ..processes.pdeath import DieWithParent
@@ -21,16 +21,15 @@ from ..processes.pdeath import DieWithParent
 if TYPE_CHECKING:
     import multiprocessing.pool
 
-    from ..processes.pdeath import ProcessBase as _ProcessBase
     from . import queues
     from .connection import Connection
 
     _ContextBase = _std.BaseContext     # _Channels is mixed into the standard contexts
 else:
-    _ProcessBase = _ContextBase = object
+    _ContextBase = object
 
 
-class _CarryStrategy(_ProcessBase):
+class _CarryStrategy(_compat.ChildStart):
     """Process mixin: the child starts with the parent's sharing strategy and manager daemon.
 
     The environment already carries both to spawn and fork children; a forkserver started
@@ -57,12 +56,12 @@ class _CarryStrategy(_ProcessBase):
         path = state.get("_sharedmp_manager")
         return {"_sharedmp_adopted": _Adopt(path), **state} if path else state
 
-    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
+    def _child_starts(self) -> None:
         name = getattr(self, "_sharedmp_strategy", None)   # None: start() was overridden
         if name is not None:
             strategy.set_sharing_strategy(name)
             manager.adopt(self._sharedmp_manager)
-        return super()._bootstrap(*args, **kwargs)
+        super()._child_starts()
 
 
 class _Adopt:
@@ -88,15 +87,13 @@ def _preload_in_fork_server() -> None:
     (the running one, if any, keeps its modules). The standard library's own forkserver
     children share the server: they start with sharedmp imported, which changes nothing
     for them."""
-    from multiprocessing import forkserver
-    server = forkserver._forkserver
-    modules = getattr(server, "_preload_modules", None)      # (CPython 3.8-3.14)
-    if isinstance(modules, list) and not set(FORKSERVER_PRELOAD) <= set(modules):
+    modules = _compat.forkserver_preload()
+    if modules is not None and not set(FORKSERVER_PRELOAD) <= set(modules):
         missing = [m for m in FORKSERVER_PRELOAD if m not in modules]
-        server.set_forkserver_preload(modules + missing)
+        multiprocessing.set_forkserver_preload(modules + missing)
 
 
-class _FreezeInherited(_ProcessBase):
+class _FreezeInherited(_compat.ChildStart):
     """Process mixin: a forked child freezes the objects it inherits (``gc.freeze()``) as it
     starts, before any collection runs in it.
 
@@ -111,10 +108,10 @@ class _FreezeInherited(_ProcessBase):
 
     _sharedmp_freeze = False
 
-    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
+    def _child_starts(self) -> None:
         if self._sharedmp_freeze:
             gc.freeze()
-        return super()._bootstrap(*args, **kwargs)
+        super()._child_starts()
 
 
 class ForkProcess(DieWithParent, _CarryStrategy, _FreezeInherited, _std.ForkProcess):

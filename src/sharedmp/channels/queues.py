@@ -36,8 +36,7 @@ try:
 except ImportError:  # pragma: no cover
     SEM_VALUE_MAX = 2 ** 31 - 1
 
-from .. import forks
-from .. import wire
+from .. import _compat, forks, wire
 from ..wire import dumps, loads
 from . import fdpass
 from .connection import Pipe
@@ -274,14 +273,13 @@ class Queue:
 
     def qsize(self) -> int:
         # Raises NotImplementedError on macOS, as multiprocessing's does (no sem_getvalue).
-        return (self._maxsize  # type: ignore[no-any-return]
-                - self._sem._semlock._get_value())  # type: ignore[attr-defined]
+        return self._maxsize - _compat.semaphore_value(self._sem)
 
     def empty(self) -> bool:
         return not self._reader.poll()
 
     def full(self) -> bool:
-        return self._sem._semlock._is_zero()  # type: ignore[attr-defined, no-any-return]
+        return _compat.semaphore_is_zero(self._sem)
 
     # -- closing ---------------------------------------------------------------------
     def close(self) -> None:
@@ -390,10 +388,10 @@ class JoinableQueue(Queue):
         with self._cond:
             if not self._unfinished_tasks.acquire(False):
                 raise ValueError("task_done() called too many times")
-            if self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
+            if _compat.semaphore_is_zero(self._unfinished_tasks):
                 self._cond.notify_all()
 
     def join(self) -> None:
         with self._cond:
-            if not self._unfinished_tasks._semlock._is_zero():  # type: ignore[attr-defined]
+            if not _compat.semaphore_is_zero(self._unfinished_tasks):
                 self._cond.wait()

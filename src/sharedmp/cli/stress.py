@@ -49,6 +49,7 @@ import time
 
 import numpy as np
 
+from .. import _compat
 from ..wire import INBAND_MAX as BY_VALUE_MAX   # plain arrays up to this may travel by value
 
 RUN_ENV = "SHAREDMP_STRESS_RUN"
@@ -424,11 +425,9 @@ def segment_forget_and_collect():
 def live_run_processes(token):
     """pids of live processes (zombies aside) whose environment carries this run's token,
     but for this process and its multiprocessing resource tracker (it lives as long as we do)."""
-    from multiprocessing import resource_tracker
-
     from ..memory import leftovers
     needle = f"{RUN_ENV}={token}".encode() + b"\0"
-    mine = {os.getpid(), getattr(resource_tracker._resource_tracker, "_pid", None)}
+    mine = {os.getpid(), _compat.resource_tracker_pid()}
     out = []
     for pid in leftovers.pids():
         if pid in mine:

@@ -33,18 +33,9 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
 
-from .. import forks, settings
+from .. import _compat, forks, settings
 
-if TYPE_CHECKING:
-    import multiprocessing.process
-
-    class ProcessBase(multiprocessing.process.BaseProcess):
-        """What the mixins of Process classes (here, channels/context.py) use of them."""
-        def _bootstrap(self, parent_sentinel: int | None = None) -> int: ...
-else:
-    ProcessBase = object
 
 ENV = settings.KEEP_ORPHANS
 HAVE_PDEATHSIG = sys.platform.startswith("linux")
@@ -57,7 +48,7 @@ def keep_orphans():
     return settings.get(ENV)  # type: ignore[no-any-return]
 
 
-class DieWithParent(ProcessBase):
+class DieWithParent(_compat.ChildStart):
     """Process mixin: on Linux the child is killed when the process that started it dies."""
 
     def start(self) -> None:
@@ -65,8 +56,7 @@ class DieWithParent(ProcessBase):
         self._sharedmp_parent = None
         if HAVE_PDEATHSIG and not keep_orphans():
             # (_start_method None: the default's)
-            method = (self._start_method  # type: ignore[attr-defined]
-                      or multiprocessing.get_start_method())
+            method = _compat.start_method_of(self) or multiprocessing.get_start_method()
             via_forkserver = method == "forkserver"
             self._sharedmp_parent = (os.getpid(), via_forkserver)
             if method == "fork":
@@ -76,11 +66,11 @@ class DieWithParent(ProcessBase):
                 return _start_on_lasting_thread(super().start)
         return super().start()
 
-    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
+    def _child_starts(self) -> None:
         parent = getattr(self, "_sharedmp_parent", None)   # None: off, or start() was overridden
         if parent is not None:
             arm(*parent)
-        return super()._bootstrap(*args, **kwargs)
+        super()._child_starts()
 
 
 _libc = None
@@ -108,7 +98,7 @@ def arm(parent_pid, via_forkserver):
         return
     ppid = os.getppid()
     if via_forkserver:
-        _close_forkserver_alive_fd()
+        _compat.close_forkserver_alive_fd()
         from ..memory import leftovers     # (deferred: dataclasses costs 5 ms)
         st = leftovers.proc_stat(ppid)
         alive = st is None or st.ppid == parent_pid       # None: cannot tell; the signal will
@@ -116,15 +106,6 @@ def arm(parent_pid, via_forkserver):
         alive = ppid == parent_pid
     if not alive:
         os.kill(os.getpid(), SIGNAL)
-
-
-def _close_forkserver_alive_fd():
-    from multiprocessing import forkserver
-    server = forkserver._forkserver
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None and getattr(server, "_forkserver_pid", 0) is None:   # not our own server's
-        server._forkserver_alive_fd = None
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------
