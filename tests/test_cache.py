@@ -139,17 +139,17 @@ def test_stats_show_what_is_cached():
 
 def test_the_pool_stays_below_a_quarter_of_the_memory_that_is_left():
     mp.set_sharing_strategy("file_descriptor")
-    real = segment._available_memory_cached
+    real = segment.available_memory_cached
     try:
         for left, kept in ((48 << 20, (0, 0)), (4 << 30, (1, 16 << 20))):
             mp.empty_cache()
             a = mp.zeros(1 << 21)                            # 16 MiB, a segment of its own
-            segment._available_memory_cached = lambda: left
+            segment.available_memory_cached = lambda: left
             del a
-            segment._available_memory_cached = real
+            segment.available_memory_cached = real
             assert recycle.kept() == kept, left              # 48 MiB left: the pool may hold 16
     finally:
-        segment._available_memory_cached = real
+        segment.available_memory_cached = real
         mp.empty_cache()
 
 

@@ -35,8 +35,8 @@ import os
 import threading
 import weakref
 
-from .. import forks, settings
-from ..memory import manager, segment
+from .. import fds, forks, settings
+from ..memory import segment
 
 ENV = settings.WINDOW_BYTES
 DEFAULT = 8 << 20
@@ -49,7 +49,7 @@ def window_bytes() -> int:
     if n is not None:
         return n  # type: ignore[no-any-return]
     # (read at most once a second: a Pool starts several connections at once)
-    avail = segment._available_memory_cached(1.0)
+    avail = segment.available_memory_cached(1.0)
     if avail is None:                 # (no /proc/meminfo)
         return DEFAULT
     return max(1 << 20, min(DEFAULT, avail // _FRACTION_OF_AVAILABLE))
@@ -67,6 +67,7 @@ class Window:
         self._tokens: dict[int, int] = {}     # read end -> bytes it stands for
         self.flight = 0                       # the sum of _tokens' bytes
         self._lock = threading.Lock()
+        fds.own(self, self._tokens)           # the read ends left when the window goes
         _windows.add(self)
 
     def token(self, nbytes: int) -> int | None:
@@ -86,7 +87,7 @@ class Window:
             self._uncounted += nbytes
             if self._uncounted < self.step:
                 return None
-            r, w = os.pipe2(os.O_CLOEXEC)
+            r, w = fds.pipe()
             self._tokens[r] = self._uncounted
             self.flight += self._uncounted
             self._uncounted = 0
@@ -125,7 +126,7 @@ class Window:
             return
         with self._lock:
             while self.flight > self.limit // 2:
-                for r in manager.ended(self._tokens, wait=True):
+                for r in fds.ended(self._tokens, wait=True):
                     self._taken(r)
 
     def reap(self) -> None:
@@ -133,7 +134,7 @@ class Window:
         if not self._tokens:
             return
         with self._lock:
-            for r in manager.ended(self._tokens):
+            for r in fds.ended(self._tokens):
                 self._taken(r)
 
     def _taken(self, r: int) -> None:
@@ -146,12 +147,6 @@ class Window:
                 self._taken(r)
             self._uncounted = 0
 
-    def __del__(self) -> None:
-        for r in self._tokens:
-            try:
-                os.close(r)
-            except OSError:
-                pass
 
 
 # A forked child's copies of the parent's windows stand for the parent's messages.

@@ -58,6 +58,7 @@ import time
 import warnings
 import weakref
 
+from .. import fds as _fds
 from .. import forks
 from .. import wire
 from ..memory import cache
@@ -192,17 +193,6 @@ _NO_CHANNEL = ("this CUDA memory is VMM memory (torch's expandable_segments:True
                "arguments, or allocate it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
 
 
-class _Fd:
-    """An fd this process owns, closed once nothing holds it: a cache entry or a message
-    not yet sent (``OutOfBand.keep_alive``), whichever lets go last."""
-
-    __slots__ = ("fd", "__weakref__")
-
-    def __init__(self, fd):
-        self.fd = fd
-        weakref.finalize(self, os.close, fd)
-
-
 # ---------------------------------------------------------------------------------------
 # Sender
 # ---------------------------------------------------------------------------------------
@@ -251,7 +241,7 @@ class Exporter:
         self.server = server
         server.on_release = self._released
         self._blocks = {}             # (ordinal, buffer id) -> (base, size, handle), or _VMM
-        self._fds = {}                # (ordinal, base, size, key) -> [_Fd, last use]: VMM exports
+        self._fds = {}                # (ordinal, base, size, key) -> [Fd, last use]: VMM exports
         self._home = {}               # (handle, offset, nbytes) -> [object, leases]
         self._free = {}               # ordinal -> [_Event] ready to be recorded again
         self.live_events = 0          # created and not destroyed
@@ -297,7 +287,7 @@ class Exporter:
                     for old in sorted(self._fds, key=lambda k: self._fds[k][1])[:MAX_IDLE_BLOCKS]:
                         del self._fds[old]
                 entry = self._fds[ordinal, base, size, key] = [
-                    _Fd(self.driver.vmm_export(ordinal, base)), now]
+                    _fds.Fd(self.driver.vmm_export(ordinal, base)), now]
             entry[1] = now
             oob.keep_alive(entry[0])          # open until the message is sent
             chunks.append((key, size, oob.add(entry[0].fd)))
@@ -375,7 +365,7 @@ class Exporter:
     def forward(self, holder, stream, fds=None):
         """A received region sent on: the owner's block, with our event (our writes) and a
         lease of ours holding ``holder`` (so our mapping, and our lease with the owner).
-        VMM memory: ``fds``, the _Fds its mapping keeps, go in the message again."""
+        VMM memory: ``fds``, the Fd holders its mapping keeps, go in the message again."""
         d, chunks = holder.descriptor, None
         if isinstance(d, VmmDescriptor):
             oob = wire.current()
@@ -425,7 +415,7 @@ class _Mapping:
     def __init__(self, ordinal, ptr, size, fds=None):
         self.ordinal, self.ptr, self.size, self.holders = ordinal, ptr, size, 0
         self.idle_since = 0.0
-        self.fds = fds                # VMM memory: the _Fds it came with (to send it on)
+        self.fds = fds                # VMM memory: the Fd holders it came with (to send it on)
 
 
 class Holder:
@@ -516,13 +506,13 @@ class Importer:
             raise ProtocolError("a CUDA array of VMM memory arrived outside a sharedmp channel: "
                                 "its fds cannot have come with it")
         fds = [oob.get(i) for _, _, i in d.chunks]    # ProtocolError: not in this message
-        kept = [_Fd(os.dup(fd)) for fd in fds]
+        kept = [_fds.Fd(os.dup(fd)) for fd in fds]
         ptr = self.driver.vmm_import(ordinal, [(fd, size) for fd, (_, size, _) in
                                                zip(fds, d.chunks)])
         return _Mapping(ordinal, ptr, d.block_size, kept)
 
     def fds_of(self, holder):
-        """The _Fds of the VMM mapping under ``holder`` (None for legacy memory)."""
+        """The Fd holders of the VMM mapping under ``holder`` (None for legacy memory)."""
         d = holder.descriptor
         with self._lock:
             m = self._maps.get((d.owner, d.handle))

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 
-from .. import forks, settings
+from .. import fds, forks, settings
 from ..errors import ManagerError
 from . import cache
 
@@ -191,18 +191,18 @@ def _post(op, path, wait=True, fd=-1):
 def _send_pending():
     """(lock held) Send every queued record, the fds passed along with theirs."""
     while _pending:
-        batch, fds = [], []
-        while _pending and len(fds) < _MAX_FDS:
+        batch, passed = [], []
+        while _pending and len(passed) < _MAX_FDS:
             record, fd = _pending.popleft()
             batch.append(record)
             if fd >= 0:
-                fds.append(fd)
+                passed.append(fd)
         if _sock is None:
             continue
         data = b"".join(batch)
-        if fds:      # (stream socket: the fds arrive with the first byte of ``data``)
+        if passed:      # (stream socket: the fds arrive with the first byte of ``data``)
             n = _sock.sendmsg([data],
-                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", passed))],
                               _NOSIGNAL)
             data = data[n:]
         if data:
@@ -311,9 +311,7 @@ class _Token:
     """The write end of a token pipe: open while the channel end may reuse it for a next
     message, or while a message that carries it waits to be sent (``Fds.keep``).
 
-    Closed by a ``weakref.finalize``, not ``__del__``: CPython runs ``__del__`` before it
-    clears the weak references, so a thread could take a dying token back with its fd
-    already closed (and later send whatever file reused the number)."""
+    Closed as every owned fd is (``fds.own``: a finalizer, in this process only)."""
 
     __slots__ = ("fd", "id", "generation", "opened", "used", "paths", "held", "__weakref__")
 
@@ -322,28 +320,10 @@ class _Token:
         self.opened = self.used = now
         self.paths = set()              # the names the daemon knows it holds in flight
         self.held = set()               # those named by more than one message (``u``)
-        weakref.finalize(self, _close_unless_forked, [fd], os.getpid())
-
-
-def _close_unless_forked(fds, pid):
-    if os.getpid() == pid:              # (a forked child closed its copies at the fork)
-        for fd in fds:
-            os.close(fd)
+        fds.own(self, (fd,))
 
 
 _token_ids = itertools.count(1)
-
-
-def ended(read_ends, wait=False):
-    """The pipes among ``read_ends`` that have ended (every copy of the write end closed:
-    a token's messages all taken or gone): now, or (``wait``) once at least one has. For
-    the file_system tokens here and the flight tokens of ``channels/flow.py``."""
-    poller = select.poll()
-    for r in read_ends:
-        poller.register(r, select.POLLIN)
-    # (PEP 475: a signal interrupts the wait only if its handler raises, as it interrupts
-    # the standard library's blocking send)
-    return [r for r, _ in poller.poll(None if wait else 0)]
 
 
 class Tokens:
@@ -363,7 +343,7 @@ class Tokens:
         self._current: "_Token | None" = None
         self._open: list[int] = []       # read ends of this end's tokens not yet ended
         self._lock = threading.Lock()
-        weakref.finalize(self, _close_unless_forked, self._open, os.getpid())
+        fds.own(self, self._open)
         _all_tokens.add(self)
 
     def carry(self, paths: list[str]) -> "tuple[int, object]":
@@ -401,13 +381,13 @@ class Tokens:
 
     def _reap(self):
         """(lock held) Close the read ends of the tokens that have ended."""
-        for r in ended(self._open):
+        for r in fds.ended(self._open):
             self._open.remove(r)
             os.close(r)
 
     def _new(self, now):
         """(lock held) A new token, its read end passed to the daemon (with no reference)."""
-        r, w = os.pipe2(os.O_CLOEXEC)
+        r, w = fds.pipe()
         try:
             token = _Token(w, next(_token_ids), now)
         except BaseException:

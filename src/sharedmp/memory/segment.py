@@ -268,7 +268,7 @@ def _park(seg):
         directory = seg.path[:-len(seg.name) - 1]
         nxt = f"{directory}/{PREFIX}{os.urandom(10).hex()}"
         if recycle.give_named(seg.size, mm, seg.path, nxt, directory, seg.address,
-                              seg.idle_since, _available_memory_cached()):
+                              seg.idle_since, available_memory_cached()):
             if manager.parked(seg.path, nxt):
                 manager.let_go(seg.path)
                 return
@@ -346,7 +346,7 @@ def _release(seg, mapping_id):
     if seg.recycle is not None:
         (mm, private), seg.recycle = seg.recycle, None
         if seg.owner_pid == os.getpid():
-            recycle.give(seg.size, mm, private, seg.idle_since, _available_memory_cached())
+            recycle.give(seg.size, mm, private, seg.idle_since, available_memory_cached())
         else:                       # inherited by fork: the parent reuses it, not this child
             os.close(private)
     if seg.path is not None:
@@ -402,7 +402,7 @@ def _map(fd, size):
 _avail_cache = (-1.0, None)      # (monotonic time, bytes): parsing /proc/meminfo is not free
 
 
-def _available_memory_cached(max_age=0.1):
+def available_memory_cached(max_age=0.1):
     global _avail_cache
     now = time.monotonic()
     if now - _avail_cache[0] > max_age:
@@ -536,7 +536,7 @@ def create(size: int, kind: str, zero: bool = True,
 def _create(size, kind, revivable=False):
     # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
     # instead of failing. A fresh reading for big requests, a recent one for small.
-    avail = available_memory() if size >= 16 << 20 else _available_memory_cached()
+    avail = available_memory() if size >= 16 << 20 else available_memory_cached()
     if avail is not None and size > avail:
         raise OutOfSharedMemory(
             f"cannot reserve {format_size(size)} of shared memory: this machine has only "
