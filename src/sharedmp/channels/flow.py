@@ -35,8 +35,7 @@ import os
 import threading
 import weakref
 
-from .. import fds, forks, settings
-from ..memory import segment
+from .. import fds, forks, host, settings
 
 ENV = settings.WINDOW_BYTES
 DEFAULT = 8 << 20
@@ -49,7 +48,7 @@ def window_bytes() -> int:
     if n is not None:
         return n  # type: ignore[no-any-return]
     # (read at most once a second: a Pool starts several connections at once)
-    avail = segment.available_memory_cached(1.0)
+    avail = host.available_memory_cached(1.0)
     if avail is None:                 # (no /proc/meminfo)
         return DEFAULT
     return max(1 << 20, min(DEFAULT, avail // _FRACTION_OF_AVAILABLE))

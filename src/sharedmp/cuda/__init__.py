@@ -16,6 +16,8 @@ any CUDA call (``check_not_forked``), where CUDA itself would fail or hang.
 import os
 import sys
 
+from .. import host
+
 CUDA_ERROR_NOT_INITIALIZED = 3
 
 # Modules other than torch (which says itself whether it has initialised CUDA) through which
@@ -43,9 +45,8 @@ def _driver_initialised():
     # NOT_INITIALIZED. It also catches CuPy, pynvml and anything else that called cuInit.
     # Loading the already-mapped library initialises nothing.
     try:
-        with open("/proc/self/maps") as f:
-            if "libcuda.so" not in f.read():
-                return False
+        if not any("libcuda.so" in line for line in host.maps_lines("self")):
+            return False
         import ctypes          # (only where libcuda is loaded)
         lib = ctypes.CDLL("libcuda.so.1", mode=getattr(os, "RTLD_NOLOAD", 4))
     except OSError:

@@ -33,7 +33,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .. import forks
+from .. import forks, host
 from . import cache, segment
 
 if TYPE_CHECKING:
@@ -184,15 +184,14 @@ def stray_segment_fds():
             continue
         keep.add((st.st_dev, st.st_ino))
     out = set()
-    for name in os.listdir("/proc/self/fd"):
+    for path, target in host.fd_targets("self"):
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            st = os.stat(f"/proc/self/fd/{name}")
+            st = os.stat(path)
         except OSError:
             continue
         if (target == "/memfd:sharedmp (deleted)" or segment.PREFIX in target) \
                 and (st.st_dev, st.st_ino) not in keep:
-            out.add(int(name))
+            out.add(int(path.rsplit("/", 1)[1]))
     return out
 
 

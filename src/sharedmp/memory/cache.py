@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .. import forks, settings
+from .. import forks, host, settings
 
 ENV = settings.CACHE_IDLE
 TICK = 0.25
@@ -158,7 +158,7 @@ def _publish() -> None:
         if data == _stats_last or len(data) >= STATS_SIZE:
             return
         if _stats_fd < 0:
-            if not hasattr(os, "memfd_create"):
+            if not host.HAVE_MEMFD:
                 return
             _stats_fd = os.memfd_create(STATS_NAME, os.MFD_CLOEXEC)
         os.pwrite(_stats_fd, data.ljust(STATS_SIZE, b" "), 0)
@@ -169,16 +169,15 @@ def _publish() -> None:
 
 def read_stats(pid: int) -> Any:
     """The stats another process (of this user) published, or None (for doctor)."""
-    base = f"/proc/{pid}/fd"
     try:
-        names = os.listdir(base)
+        fds = list(host.fd_targets(pid))
     except OSError:
         return None
-    for name in names:
+    for path, target in fds:
+        if target != f"/memfd:{STATS_NAME} (deleted)":
+            continue
         try:
-            if os.readlink(f"{base}/{name}") != f"/memfd:{STATS_NAME} (deleted)":
-                continue
-            fd = os.open(f"{base}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue
         try:

@@ -20,10 +20,13 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
+# (host.py reads /proc; its readers are named here too, for the tools)
+from ..host import (ProcStat, fd_targets, have_proc, maps_lines, owner,  # noqa: F401
+                    pids, proc_stat)
 from .segment import NAME_RE, PREFIX
 
 POOL_RE = re.compile(r"\.sharedmp-pool-(\d+)\Z")   # manager.POOL_DIR's names
@@ -36,61 +39,6 @@ K = TypeVar("K")
 Leftover = tuple[str, int, float]          # (path, size, mtime)
 
 
-def have_proc() -> bool:
-    """Whether this system shows processes' fds in /proc (Linux)."""
-    return os.path.isdir("/proc/self/fd")
-
-
-def pids() -> list[int]:
-    """The pids of the live processes (zombies included: see ``proc_stat``), [] without /proc."""
-    try:
-        return sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-    except OSError:
-        return []
-
-
-class ProcStat(NamedTuple):
-    state: str                 # R, S, D, ... Z (zombie), X (dead)
-    ppid: int
-    pgrp: int
-    start: int                 # clock ticks after boot: tells a reused pid from its old process
-
-    @property
-    def alive(self) -> bool:
-        """Not a zombie: the process still runs (and may hold fds and mappings)."""
-        return self.state not in ("Z", "X")
-
-
-def proc_stat(pid: int) -> ProcStat | None:
-    """The state, parent, process group and start time of ``pid``, or None if it is gone or
-    unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # The command name may hold spaces and parentheses: the fields follow its last ")".
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def owner(pid: int) -> int | None:
-    """The uid that owns process ``pid``, or None if it is gone."""
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def _fd_targets(pid: int) -> Iterator[str]:
-    """What the fds of ``pid`` point to (OSError if its fds cannot be listed)."""
-    base = f"/proc/{pid}/fd"
-    for fd in os.listdir(base):
-        try:
-            yield os.readlink(f"{base}/{fd}")
-        except OSError:
-            continue                                  # closed meanwhile
-
-
 def _is_segment(target: str) -> bool:
     return target == MEMFD_TARGET or PREFIX in target
 
@@ -99,14 +47,13 @@ def segments_of(pid: int) -> tuple[int, int] | None:
     """(bytes mapped, fds) of sharedmp segments in process ``pid``; None if unreadable."""
     mapped = {}
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                if MEMFD_TARGET not in line and PREFIX not in line:
-                    continue
-                parts = line.split(None, 5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                mapped[(parts[3], parts[4], lo)] = hi - lo
-        fds = sum(_is_segment(t) for t in _fd_targets(pid))
+        for line in maps_lines(pid):
+            if MEMFD_TARGET not in line and PREFIX not in line:
+                continue
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            mapped[(parts[3], parts[4], lo)] = hi - lo
+        fds = sum(_is_segment(t) for _, t in fd_targets(pid))
     except (OSError, ValueError, IndexError):
         return None
     return sum(mapped.values()), fds
@@ -146,10 +93,9 @@ class _Files(Generic[K]):
     def add_used_by(self, pid: int, used: set[K]) -> None:
         """Add to ``used`` the keys of the files ``pid`` maps or holds open (OSError once it
         cannot be read further: what was found until then stays in ``used``)."""
-        with open(f"/proc/{pid}/maps") as f:
-            for line in f:
-                used.update(self.in_maps_line(line))
-        for target in _fd_targets(pid):
+        for line in maps_lines(pid):
+            used.update(self.in_maps_line(line))
+        for _, target in fd_targets(pid):
             used.update(self.by_name.get(_name(target), ()))
 
 

@@ -63,7 +63,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import forks, settings
+from .. import forks, host, settings
 from . import cache, manager
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ def shared_fd(private):
     """
     if limit():
         try:
-            fd = os.open(f"/proc/self/fd/{private}", os.O_RDWR | _O_CLOEXEC)
+            fd = host.reopen(private, os.O_RDWR | _O_CLOEXEC)
         except OSError:
             pass
         else:

@@ -35,7 +35,8 @@ Memory is reserved when the segment is made (``posix_fallocate``): running out r
 segments are sealed against shrinking and growing, so no peer can truncate one under
 a reader; a receiver checks the seals and the size before it builds a view.
 
-All platform branches of sharedmp's memory live in this module.
+What the platform offers (memfd, fallocate, the memory available) is found out in
+``host.py``; what sharedmp's memory does with it (memfd or named, seals, reserve) is here.
 """
 from __future__ import annotations
 
@@ -54,11 +55,11 @@ import weakref
 from typing import TYPE_CHECKING, Any, Union
 
 from .. import forks, settings
+# (the platform's facts: host.py; named here too, as segment.HAVE_MEMFD, ... for callers)
+from ..host import HAVE_FALLOCATE, HAVE_MEMFD, available_memory, available_memory_cached
 from ..errors import OutOfSharedMemory, SegmentError
 from . import cache, manager, recycle
 
-HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
-HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
 SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if HAVE_MEMFD else 0
 SHM_DIR_ENV = settings.SHM_DIR
 PREFIX = "sharedmp_"
@@ -397,76 +398,6 @@ def _map(fd, size):
     # Python's mmap keeps a dup of the fd for as long as the mapping lives (3.13 adds
     # trackfd=False to avoid it); the segment's own fd stays with the Segment.
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-_avail_cache = (-1.0, None)      # (monotonic time, bytes): parsing /proc/meminfo is not free
-
-
-def available_memory_cached(max_age=0.1):
-    global _avail_cache
-    now = time.monotonic()
-    if now - _avail_cache[0] > max_age:
-        _avail_cache = (now, available_memory())
-    return _avail_cache[1]
-
-
-def available_memory():
-    """Bytes that can still be made resident: MemAvailable + SwapFree, capped by the cgroup."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        avail = (int(info["MemAvailable"].split()[0])
-                 + int(info.get("SwapFree", "0 kB").split()[0])) * 1024
-        for limit, used in _cgroup_memory_files():
-            try:
-                with open(limit) as f:
-                    lim = f.read().strip()
-                if lim != "max":
-                    with open(used) as f:
-                        avail = min(avail, int(lim) - int(f.read()))
-            except OSError:
-                pass
-    except (OSError, KeyError, ValueError):
-        pass
-    return avail
-
-
-def _cgroup_memory_files():
-    """(limit, usage) files of this process's memory cgroup and of its ancestors, v2 and v1.
-
-    Over its cgroup's limit, a process is OOM-killed at fallocate, not refused. In a
-    container the path in /proc/self/cgroup may start above the mounted root: the
-    longest tail of it that exists under the mount is ours.
-    """
-    out = []
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        hid, controllers, path = line.split(":", 2)
-        if hid == "0" and controllers == "":
-            mount, files = "/sys/fs/cgroup", ("memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            mount, files = ("/sys/fs/cgroup/memory",
-                            ("memory.limit_in_bytes", "memory.usage_in_bytes"))
-        else:
-            continue
-        parts = [x for x in path.split("/") if x]
-        for i in range(len(parts) + 1):
-            here = os.path.join(mount, *parts[i:])
-            if os.path.exists(os.path.join(here, files[0])):
-                break
-        else:
-            continue
-        while True:
-            out.append((os.path.join(here, files[0]), os.path.join(here, files[1])))
-            if os.path.normpath(here) == mount:
-                break
-            here = os.path.dirname(here)
-    return out
 
 
 def _reserve(fd, size, what, hint):

@@ -31,14 +31,13 @@ and with ``SHAREDMP_KEEP_ORPHANS=1``, nothing here does anything.
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 
-from .. import _compat, forks, settings
+from .. import _compat, forks, host, settings
 
 
 ENV = settings.KEEP_ORPHANS
-HAVE_PDEATHSIG = sys.platform.startswith("linux")
+HAVE_PDEATHSIG = host.HAVE_PDEATHSIG
 SIGNAL = signal.SIGKILL
 _PR_SET_PDEATHSIG = 1
 

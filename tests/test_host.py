@@ -1,0 +1,70 @@
+"""The platform's facts (sharedmp/host.py): found out there only, and right on this machine."""
+import ast
+import os
+import sys
+from pathlib import Path
+
+from sharedmp import host
+from sharedmp.memory import leftovers, segment
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "sharedmp"
+
+
+def _platform_reads(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.startswith("/proc") and not node.value.startswith("/proc "):
+            yield node.lineno, node.value
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(
+                node.values[0], ast.Constant) and str(node.values[0].value).startswith("/proc"):
+            yield node.lineno, ast.unparse(node)
+        elif isinstance(node, ast.Attribute) and node.attr == "platform" and isinstance(
+                node.value, ast.Name) and node.value.id == "sys":
+            yield node.lineno, "sys.platform"
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "hasattr" and len(
+                node.args) == 2 and ast.unparse(node.args[0]) == "os":
+            yield node.lineno, ast.unparse(node)
+
+
+def test_only_host_reads_the_platform():
+    # (the command line's tools read /proc for their reports: cpuinfo, smaps, cmdline)
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "host.py" or rel.startswith("cli/"):
+            continue
+        hits = list(_platform_reads(ast.parse(path.read_text())))
+        if hits:
+            found[rel] = hits
+    assert found == {}
+
+
+def test_the_rule_sees_a_proc_read():
+    tree = ast.parse('open(f"/proc/{pid}/maps")\nopen("/proc/meminfo")\nsys.platform\n'
+                     'hasattr(os, "memfd_create")\n')
+    assert {line for line, _ in _platform_reads(tree)} == {1, 2, 3, 4}
+
+
+def test_the_facts_on_this_machine():
+    assert host.HAVE_MEMFD == (sys.platform.startswith("linux") and hasattr(os, "memfd_create"))
+    assert segment.HAVE_MEMFD is host.HAVE_MEMFD         # (named there too)
+    avail = host.available_memory()
+    assert avail is None or avail > 0
+    assert host.have_proc() == os.path.isdir("/proc/self/fd")
+    if host.have_proc():
+        assert os.getpid() in host.pids()
+        st = host.proc_stat(os.getpid())
+        assert st.alive and st.ppid == os.getppid()
+        r, w = os.pipe()
+        try:
+            paths = dict(host.fd_targets("self"))
+            assert paths[f"/proc/self/fd/{r}"].startswith("pipe:")
+            again = host.reopen(w, os.O_WRONLY)
+            os.write(again, b"x")
+            os.close(again)
+            assert os.read(r, 1) == b"x"
+        finally:
+            os.close(r)
+            os.close(w)
+        assert any("python" in line or "[heap]" in line for line in host.maps_lines("self"))
+    assert leftovers.proc_stat is host.proc_stat
