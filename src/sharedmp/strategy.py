@@ -30,7 +30,7 @@ def _check(name: str, where: str) -> str:
     return name
 
 
-_current: str | None = None   # cached: reading os.environ on every allocation is not free
+_current: str | None = None   # cached: reading the environment on every allocation is not free
 
 
 def get_sharing_strategy() -> str:
