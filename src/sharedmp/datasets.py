@@ -244,6 +244,12 @@ def _other_hash(key: Any) -> int:
     hash(key)                           # unhashable: TypeError, as a dict says
     if hasattr(type(key), "__index__"):     # other integers
         return hash(operator.index(key)) & _M64
+    pathlib = sys.modules.get("pathlib")    # (a path key: pathlib is imported)
+    if pathlib is not None and isinstance(key, pathlib.PurePath):
+        # By its text, as Python hashes it (case-folded for Windows paths, where equality
+        # ignores case): from 3.13 equal paths pickle as they were built, Path("/a/b") as
+        # ("/a/b",), Path("/a") / "b" as ("/a", "b").
+        return zlib.crc32(str(key).lower().encode("utf-8", "surrogatepass"))
     return zlib.crc32(pickle.dumps(key, 5))   # other keys: by their pickle
 
 
