@@ -45,7 +45,7 @@ def install(stdlib):
     if not stdlib:
         point_at_sharedmp(T)
     found = {"__name__": __name__}
-    T.install_tests_in_module_dict(found, START_METHOD, only_type=None)
+    T.install_tests_in_module_dict(found, START_METHOD)    # (3.10 has no only_type)
     keep = {}
     for name, obj in found.items():
         base = name.replace("WithProcesses", "_", 1) if name.startswith("WithProcesses") else name

@@ -611,8 +611,11 @@ def test_share_dataset_sends_handles_only():
     pa = pytest.importorskip("pyarrow")
     n = 100_000
     ds = Dataset(n)
+    # Strings as pandas 3 makes them by default (Arrow-backed), named so that pandas 2.3
+    # (Python 3.10) makes them too: its default is an object column, which stays private.
+    strings = pd.StringDtype("pyarrow", na_value=np.nan)
     ds.frame = pd.DataFrame({"id": np.arange(n), "score": np.linspace(0, 1, n),
-                             "name": [f"name-{i}" for i in range(n)]})
+                             "name": pd.array([f"name-{i}" for i in range(n)], dtype=strings)})
     ds.table = pa.table({"id": np.arange(n), "name": [f"name-{i}" for i in range(n)]})
     frame, table = ds.frame.copy(), ds.table
     before = {}
@@ -880,6 +883,7 @@ def _alive(pid):
 
 
 def test_the_example_program_runs():
+    pytest.importorskip("torch")                     # (its DataLoader workers)
     import sys
     from conftest import run_bounded
     path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "shared_dataset.py")
