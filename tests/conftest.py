@@ -190,8 +190,27 @@ def join_or_kill(proc, timeout=TIMEOUT):
     return proc.exitcode
 
 
+# Opt-in: SHAREDMP_TEST_START_METHOD=forkserver runs the suite with that default start method
+# (Python 3.14's default on Linux; fork before it), as multiprocessing.set_start_method would
+# in a user's program. Only this process and its children: programs the tests run as
+# subprocesses keep their Python's default.
+START_METHOD_ENV = "SHAREDMP_TEST_START_METHOD"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "leaks_ok: the test checks leaks itself")
+    config.addinivalue_line("markers", "slow: one of the slowest tests (.ci/run leaves them "
+                            "out on the interpreters other than 3.11)")
+    method = os.environ.get(START_METHOD_ENV)
+    if method:
+        if method not in multiprocessing.get_all_start_methods():
+            raise pytest.UsageError(f"{START_METHOD_ENV}={method!r}: not one of "
+                                    f"{multiprocessing.get_all_start_methods()}")
+        multiprocessing.set_start_method(method, force=True)
+
+
+def pytest_report_header(config):
+    return f"default start method: {multiprocessing.get_start_method()}"
     # Named segments of this run (and of the processes it starts) go to a tmpfs directory
     # of its own: the leak check must not count files of another run on the same machine.
     if not os.environ.get(segment.SHM_DIR_ENV) and os.path.isdir("/dev/shm"):

@@ -63,6 +63,7 @@ def tiny_run(tmp_path_factory):
 
 
 @linux_only
+@pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_every_workload_and_system_measured(tiny_run):
     proc, report, _, _ = tiny_run
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
@@ -94,6 +95,7 @@ def test_every_workload_and_system_measured(tiny_run):
 
 
 @linux_only
+@pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_process_start_rows_measured(tiny_run):
     _, report, _, _ = tiny_run
     section = report["start"]
@@ -125,6 +127,7 @@ def test_process_start_rows_measured(tiny_run):
 
 
 @linux_only
+@pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_bounds_ratios_and_metadata(tiny_run):
     _, report, _, _ = tiny_run
     b = report["bounds"]
@@ -151,6 +154,7 @@ def test_bounds_ratios_and_metadata(tiny_run):
 
 
 @linux_only
+@pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_table_on_stdout(tiny_run):
     proc, report, _, _ = tiny_run
     out = proc.stdout
@@ -177,6 +181,7 @@ def test_table_on_stdout(tiny_run):
 
 
 @linux_only
+@pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_nothing_left_in_dev_shm(tiny_run):
     _, _, _, before = tiny_run
     # Files that some live process still maps or holds are not leftovers of the run (a
@@ -188,6 +193,7 @@ def test_nothing_left_in_dev_shm(tiny_run):
 
 @linux_only
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed (the bench extra)")
+@pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_plot_written(tiny_run):
     _, report, png, _ = tiny_run
     assert png.exists() and png.stat().st_size > 10_000

@@ -69,6 +69,7 @@ def test_empty_cache_gives_everything_back_at_once(shm, strategy):
 
 
 @linux_only
+@pytest.mark.slow    # (.ci/run: 3.11 only)
 def test_segments_of_killed_senders_go_while_the_program_runs(shm):
     # 20 rounds: a file_system sender SIGKILLed in the middle of a stream of put()s; what
     # it sent is received; then none of its segments is left within 5 s.

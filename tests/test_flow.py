@@ -129,6 +129,7 @@ def test_put_in_another_process_blocks_once_the_window_is_full(window):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow    # (.ci/run: 3.11 only)
 def test_a_fast_producer_stays_within_its_window_of_a_slow_consumer(window):
     limit = window(64 * MiB)
     ctx = mp.get_context("spawn")

@@ -389,6 +389,7 @@ def _one_round(base, seed):
 @linux_only
 @pytest.mark.leaks_ok
 @pytest.mark.timeout(600)
+@pytest.mark.slow    # (.ci/run: 3.11 only)
 def test_100_rounds_of_sigkill_leave_nothing(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         results = list(pool.map(lambda s: _one_round(str(tmp_path), s), range(100)))

@@ -16,6 +16,7 @@ SECONDS = 24            # two epochs of ~9 s: file_descriptor, then file_system
 
 
 @pytest.mark.timeout(SECONDS + 2 * stress.GRACE + 120)
+@pytest.mark.slow    # (.ci/run: 3.11 only)
 def test_short_stress_run(tmp_path):
     out = tmp_path / "stress.json"
     proc = subprocess.run([sys.executable, "-m", "sharedmp", "stress", "--seconds", str(SECONDS),
