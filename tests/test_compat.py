@@ -146,6 +146,12 @@ def test_child_start_hooks_run_in_the_child(method):
     # set in the child by the hooks: the strategy, under every start method
     ctx = mp.get_context(method)
     old = mp.get_sharing_strategy()
+    # The fork server (one per program) keeps the environment it started with, which the
+    # standard library's forkserver children use: started here before the switch, it never
+    # has this test's strategy.
+    first = ctx.Process(target=_report_strategy, args=(ctx.SimpleQueue(),))
+    first.start()
+    first.join(60)
     mp.set_sharing_strategy("file_system")
     p = None
     try:
