@@ -1,12 +1,19 @@
 """Owned fds (sharedmp/fds.py): closed once, by their holder, in the process that owns them."""
 import gc
 import os
+import signal
+import time
 
+import numpy as np
 import pytest
 
+import sharedmp as mp
 from sharedmp import fds
 from sharedmp.channels import flow
-from sharedmp.memory import manager
+from sharedmp.memory import manager, recycle
+from sharedmp.memory.views import mapping_of
+
+TIMEOUT = 30
 
 
 def is_open(fd):
@@ -64,6 +71,80 @@ def test_a_forked_childs_copy_never_closes_the_parents_number():
     assert not is_open(r)
 
 
+def test_take_hands_the_fd_over():
+    r, w = os.pipe()
+    os.close(w)
+    h = fds.Fd(r)
+    assert h.take() == r and h.fd == -1
+    del h
+    gc.collect()
+    assert is_open(r)                             # the new owner's now
+    os.close(r)
+
+
+def run_forked(child):
+    """``child()`` in a raw os.fork() child (the forks.in_child hooks run); its exit status."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if child() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("forked child did not exit", pytrace=False)
+        time.sleep(0.01)
+
+
+def test_close_inherited_closes_the_childs_copy_only():
+    r, w = os.pipe()
+    os.close(w)
+    h = fds.Fd(r)
+    assert run_forked(lambda: (h.close_inherited(), h.fd == -1 and not is_open(r))[1]) == 0
+    assert is_open(r) and h.fd == r
+    h.close()
+
+
+def test_a_queues_held_dups_are_owned_and_a_forked_child_closes_its_copies():
+    q = mp.get_context("fork").Queue()
+    a = mp.zeros(10)                              # an arena's fd, as put() holds it
+    held = q._held.take([mapping_of(a)[1].fd])
+    dup = held[0][0]
+    assert isinstance(dup, fds.Fd) and is_open(dup.fd)
+    number = dup.fd
+    assert run_forked(lambda: not is_open(number) and not q._held._held and dup.fd == -1) == 0
+    assert is_open(number) and dup.fd == number   # the parent's untouched
+    q._held.release(held)
+    assert dup.fd == -1 and not is_open(number)
+    q.close()
+
+
+def test_the_pools_private_fds_are_owned_and_a_forked_child_closes_its_copies():
+    if not recycle.limit():
+        pytest.skip("recycling is off ($SHAREDMP_RECYCLE_BYTES=0)")
+    recycle.clear()
+    a = mp.empty(4 << 20, dtype=np.uint8)        # a segment of its own, not an arena's
+    if mapping_of(a)[1].kind != "file_descriptor":
+        pytest.skip("needs the file_descriptor strategy")
+    del a
+    gc.collect()
+    entries = [e for e in list(recycle._entries) if e[4] is None]
+    assert entries and all(isinstance(e[2], fds.Fd) for e in entries)
+    numbers = [e[2].fd for e in entries]
+    assert run_forked(lambda: recycle.kept() == (0, 0)
+                      and not any(is_open(n) for n in numbers)) == 0
+    assert all(is_open(n) for n in numbers)       # the parent's pool keeps its own
+    recycle.clear()
+    assert not any(is_open(n) for n in numbers)
+
+
 def test_token_pipes_end_when_every_write_end_is_closed():
     r, w = fds.pipe()
     w2 = os.dup(w)
@@ -92,3 +173,20 @@ def test_the_manager_and_flow_share_one_token_mechanism():
     assert not hasattr(manager, "ended") and not hasattr(manager, "_close_unless_forked")
     with pytest.raises(AttributeError):
         flow.manager                               # flow control needs no daemon client
+
+
+def test_a_forked_child_closes_its_copies_of_cudas_exported_fds():
+    from sharedmp.cuda import ipc                 # (no GPU needed: the hook's fds are pipes)
+    r, w = os.pipe()
+    os.close(w)
+    exporter = ipc.Exporter.__new__(ipc.Exporter)
+    exporter._fds = {(0, 0, 1, 0): [fds.Fd(r), 0.0]}
+    saved, ipc._exporter = ipc._exporter, exporter
+    try:
+        assert run_forked(lambda: ipc._exporter is None and not is_open(r)) == 0
+        assert is_open(r)
+    finally:
+        ipc._exporter = saved
+        exporter._fds.clear()
+    gc.collect()
+    assert not is_open(r)

@@ -6,7 +6,13 @@ A finalizer, not ``__del__``: CPython runs ``__del__`` before it clears weak ref
 so a thread could take a dying holder back with its fd already closed (and later use
 whatever file reused the number). Finalizers close only in the process that opened the
 fd: a forked child's copy of a holder stands for the parent's fd, which the child may have
-closed already (``forks.in_child`` hooks do), its number reused.
+closed already (``forks.in_child`` hooks do), its number reused. Holders: CUDA's exported
+and kept fds (``cuda/ipc.py``), the dups a queue holds for messages its feeder has not sent
+(``channels/queues.py``), the private fds of recycling's pool (``memory/recycle.py``); their
+``in_child`` hooks close the child's copies with ``close_inherited`` (CUDA's imported ones
+stay with the child's copies of their tensors: CUDA is not usable after fork). A mapped segment's
+fds are not held this way: they go with the mapping (``segment._release``, its finalizer),
+in whichever process holds the mapping, a forked child's copy included.
 
 A *token pipe* tells a sender when a message was taken: the message carries a copy of the
 write end, the sender keeps the read end, and the read end sees EOF once every copy of the
@@ -52,6 +58,23 @@ class Fd:
         if info is not None:
             _, func, args, _ = info
             func(*args)
+
+    def take(self) -> int:
+        """Hand the fd to a new owner (this holder no longer closes it); -1 if closed."""
+        self._finalizer.detach()
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close_inherited(self) -> None:
+        """(a forked child, from its ``forks.in_child`` hook, before anything could reuse the
+        number) Close the child's own copy of the fd; the parent's stays open."""
+        self._finalizer.detach()
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def __repr__(self) -> str:
         return f"<Fd {self.fd}>"

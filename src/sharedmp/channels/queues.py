@@ -36,7 +36,8 @@ try:
 except ImportError:  # pragma: no cover
     SEM_VALUE_MAX = 2 ** 31 - 1
 
-from .. import _compat, forks, wire
+from .. import _compat, forks
+from .. import fds as _fds
 from ..wire import dumps, loads
 from . import fdpass
 from .connection import Pipe
@@ -75,12 +76,11 @@ class _Held:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
-        # (st_dev, st_ino) -> [dup'ed fd, messages holding it, key]
+        # (st_dev, st_ino) -> [the dup (fds.Fd), messages holding it, key]
         self._held: dict[tuple[int, int], list[Any]] = {}
 
     def take(self, fds: list[int]) -> list[list[Any]]:
-        """Entries that keep ``fds`` open until released; their fds are ``entry[0]``."""
+        """Entries that keep ``fds`` open until released; their fds are ``entry[0].fd``."""
         if not fds:
             return []
         taken: list[list[Any]] = []
@@ -91,7 +91,7 @@ class _Held:
                     key = (st.st_dev, st.st_ino)
                     entry = self._held.get(key)
                     if entry is None:
-                        entry = self._held[key] = [os.dup(fd), 0, key]
+                        entry = self._held[key] = [_fds.Fd(os.dup(fd)), 0, key]
                     entry[1] += 1
                     taken.append(entry)
             except BaseException:
@@ -108,11 +108,12 @@ class _Held:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._held[entry[2]]
-                os.close(entry[0])
+                entry[0].close()
 
     def close_all(self) -> None:
         """(after fork, in the child: no other thread) close every dup inherited."""
-        wire.close_all([entry[0] for entry in self._held.values()])
+        for entry in self._held.values():
+            entry[0].close_inherited()
         self._held.clear()
 
 
@@ -352,7 +353,7 @@ class Queue:
                 # (waits here, not in put(), while the window is full: as multiprocessing's
                 # feeder waits on a full pipe)
                 fdpass.send_frame(writer._check(write=True), payload,
-                                  [entry[0] for entry in taken], flags, writer._flow(), flight)
+                                  [entry[0].fd for entry in taken], flags, writer._flow(), flight)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return

@@ -718,6 +718,9 @@ cache.register(5, "cuda", _expire, _held)
 @forks.in_child
 def _after_fork_in_child() -> None:
     global _exporter, _importer, _nonce
+    if _exporter is not None:       # (CUDA is not usable in a forked child: its exports go)
+        for entry in _exporter._fds.values():
+            entry[0].close_inherited()
     _exporter = _importer = None
     _nonce = secrets.token_bytes(16)
 

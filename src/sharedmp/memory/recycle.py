@@ -63,7 +63,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .. import forks, host, settings
+from .. import fds, forks, host, settings
 from . import cache, manager
 
 if TYPE_CHECKING:
@@ -77,9 +77,9 @@ MAX_TRIES = 4
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _lock = threading.RLock()       # an RLock: give() runs in finalizers, which may run inside take()
-# [size, mapping, private fd, unused since, path, next path, directory, daemon generation,
-# pool path, address], oldest first; a memfd segment has no path (None), a named one no
-# private fd (-1)
+# [size, mapping, private fd (fds.Fd), unused since, path, next path, directory, daemon
+# generation, pool path, address], oldest first; a memfd segment has no path (None), a named
+# one no private fd (None)
 _entries: "collections.deque[list[Any]]" = collections.deque()
 _total = 0
 _limit = None
@@ -120,10 +120,11 @@ def give(size, mapping, private, since=None, available=None):
     machine could still make resident, if known (the pool stays below a quarter of that,
     counting itself)."""
     global _total
+    private = fds.Fd(private)         # the pool owns it from here
     with _lock:
         bound = _bound_now(size, available)
         if size > bound // 4:
-            os.close(private)
+            private.close()
             return
         _entries.append([size, mapping, private, time.monotonic() if since is None else since,
                          None, None, None, None, None, None])
@@ -154,7 +155,7 @@ def give_named(size, mapping, path, nxt, directory, address, since=None, availab
         bound = _bound_now(size, available)
         if size > bound // 4:
             return False
-        _entries.append([size, mapping, -1, time.monotonic() if since is None else since,
+        _entries.append([size, mapping, None, time.monotonic() if since is None else since,
                          path, nxt, directory, manager.generation(), manager.pool_path(nxt),
                          address])
         _total += size
@@ -215,13 +216,13 @@ def take(size: int) -> "tuple[mmap.mmap, int] | None":
             if entry[0] != size or entry[4] is not None:
                 continue
             try:
-                fcntl.flock(entry[2], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(entry[2].fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:       # another process (or a message in flight) still holds it
                 continue
-            fcntl.flock(entry[2], fcntl.LOCK_UN)
+            fcntl.flock(entry[2].fd, fcntl.LOCK_UN)
             _entries.remove(entry)
             _forget(entry)
-            return entry[1], entry[2]
+            return entry[1], entry[2].take()
     return None
 
 
@@ -248,7 +249,7 @@ def expire(cutoff):
 
 def _held():
     with _lock:       # (+ mmap's own dup of the fd before 3.13)
-        return _total, sum((e[2] >= 0) + (sys.version_info < (3, 13)) for e in _entries)
+        return _total, sum((e[2] is not None) + (sys.version_info < (3, 13)) for e in _entries)
 
 
 cache.register(2, "pool", expire, _held)
@@ -262,7 +263,7 @@ def _forget(entry):
 def _drop(entry):
     _forget(entry)
     if entry[4] is None:
-        os.close(entry[2])
+        entry[2].close()
     else:
         _unpark(entry)
     entry[1] = None               # the mapping goes with its last reference
@@ -281,11 +282,8 @@ def _after_fork_in_child() -> None:
     # The parent reuses these segments; a child must not write into them (nor hold their fds).
     global _total
     for entry in _entries:
-        try:
-            if entry[2] >= 0:
-                os.close(entry[2])
-        except OSError:
-            pass
+        if entry[2] is not None:
+            entry[2].close_inherited()
     _entries.clear()
     _total = 0
 

@@ -99,7 +99,9 @@ class Segment:
         self.kind = kind          # "file_descriptor" | "file_system"
         self.key = key            # (st_dev, st_ino) for memfd, the name for named segments
         self.size = size
-        self.fd = fd              # kept (memfd) so that this process can send it on; -1 if none
+        # kept (memfd) so that this process can send it on; -1 if none. Closed with the
+        # mapping (``_release``), in each process that has it, a forked child too: not fds.Fd
+        self.fd = fd
         self.name = name
         # where a named segment was made or found (the directory may change)
         self.path = path
