@@ -119,7 +119,8 @@ def test_what_compat_reaches_is_there_on_this_python():
     assert _compat.semaphore_value(q._sem) == 2 and not _compat.semaphore_is_zero(q._sem)
     assert q.get(timeout=30) == 1
     q.close()
-    assert isinstance(_compat.extra_reducers(), dict)
+    from multiprocessing.reduction import ForkingPickler
+    assert _compat.EXTRA_REDUCERS is ForkingPickler._extra_reducers  # the live dict
     assert isinstance(_compat.forkserver_preload(), list)
     assert _compat.start_method_of(mp.get_context("spawn").Process) == "spawn"
     from multiprocessing.process import BaseProcess

@@ -13,6 +13,7 @@ sharedmp's queues have them (``POOL_QUEUE_ATTRIBUTES``, checked against ``pool.p
 from __future__ import annotations
 
 import os
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 CHECKED = ("3.10", "3.11", "3.12", "3.13")
@@ -48,11 +49,10 @@ def start_method_of(process: Any) -> str | None:
     return getattr(process, "_start_method", None)
 
 
-def extra_reducers() -> dict[type, Any]:
-    """``ForkingPickler._extra_reducers``: what ``ForkingPickler.register`` added, a dict
-    of the class (3.10-3.14), merged into each pickler's dispatch table."""
-    from multiprocessing.reduction import ForkingPickler
-    return ForkingPickler._extra_reducers  # type: ignore[attr-defined, no-any-return]
+# ``ForkingPickler._extra_reducers``: what ``ForkingPickler.register`` added, a dict of the
+# class (3.10-3.14), filled and never replaced, merged into each pickler's dispatch table.
+# The dict itself, not a function returning it: wire.py reads it twice per message.
+EXTRA_REDUCERS: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
 
 
 def semaphore_value(sem: Any) -> int:

@@ -38,7 +38,7 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
-from . import _compat
+from ._compat import EXTRA_REDUCERS as _EXTRA_REDUCERS
 from .errors import ProtocolError
 from .memory import manager
 
@@ -154,7 +154,7 @@ class _Pickler(pickle.Pickler):
     def refresh(cls) -> None:
         # ForkingPickler copies copyreg's table and its registrations on every __init__;
         # reuse the merged table until either changes.
-        extra = _compat.extra_reducers()
+        extra = _EXTRA_REDUCERS
         source = (len(copyreg.dispatch_table), len(extra))
         if cls._source != source:
             table = dict(copyreg.dispatch_table)
@@ -243,7 +243,7 @@ def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffe
     ``tokens``: the sending channel's (``manager.Tokens``); named segments in ``obj`` are
     then in flight until this message can no longer be received."""
     encoder = _encoders.get(type(obj))
-    extra = _compat.extra_reducers()
+    extra = _EXTRA_REDUCERS
     if encoder is not None and extra.get(type(obj)) is encoder[0]:
         fds = Fds()
         payload = encoder[1](obj, fds)
