@@ -105,6 +105,17 @@ def pids() -> list[int]:
         return []
 
 
+def pid_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists (a zombie too; one of another user too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:              # (EPERM: it exists, owned by another user)
+        pass
+    return True
+
+
 class ProcStat(NamedTuple):
     state: str                 # R, S, D, ... Z (zombie), X (dead)
     ppid: int

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 # (host.py reads /proc; its readers are named here too, for the tools)
+from .. import host
 from ..host import (ProcStat, fd_targets, have_proc, maps_lines, owner,  # noqa: F401
                     pids, proc_stat)
 from .segment import NAME_RE, PREFIX
@@ -139,7 +140,7 @@ def in_use(paths: Iterable[str]) -> set[str]:
     told."""
     paths = set(paths)
     pools = {p for p in paths if (m := POOL_RE.match(os.path.basename(p)))
-             and _alive(int(m.group(1)))}
+             and host.pid_exists(int(m.group(1)))}
     by_name: dict[str, list[str]] = {}
     by_inode = {}
     for p in paths:
@@ -258,22 +259,12 @@ def remove(entries: Iterable[Leftover]) -> list[Leftover]:
         removed.append(entry)
         parent = os.path.dirname(entry[0])
         m = POOL_RE.match(os.path.basename(parent))
-        if m and not _alive(int(m.group(1))):
+        if m and not host.pid_exists(int(m.group(1))):
             try:
                 os.rmdir(parent)              # (once empty: the daemon is gone)
             except OSError:
                 pass
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass
-    return True
 
 
 def clean(directory: str, min_age: float = 0.0, strict: bool = False) -> list[str]:
