@@ -69,7 +69,8 @@ def test_the_facts_on_this_machine():
             os.close(w)
         assert any("python" in line or "[heap]" in line for line in host.maps_lines("self"))
     assert leftovers.proc_stat is host.proc_stat
-    assert host.pid_exists(os.getpid()) and host.pid_exists(1)      # (pid 1: EPERM unless root, still there)
+    # (pid 1: EPERM unless root, and it exists)
+    assert host.pid_exists(os.getpid()) and host.pid_exists(1)
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(30)
     assert not host.pid_exists(child.pid)          # reaped: gone (unless reused within the test)
