@@ -180,6 +180,29 @@ def group_gone(pgid, wait=10):
         time.sleep(0.05)
 
 
+def fork_and_wait(child, timeout=TIMEOUT):
+    """Run ``child()`` in a raw os.fork() child (the ``forks.in_child`` hooks run): its exit
+    status, 0 if it returned true, 2 if false, 1 if it raised (bounded: killed after
+    ``timeout`` s, and the test fails)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if child() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"forked child deadlocked (no exit in {timeout} s)", pytrace=False)
+        time.sleep(0.01)
+
+
 def join_or_kill(proc, timeout=TIMEOUT):
     """Join ``proc``; kill it and fail if it is still running after ``timeout``."""
     proc.join(timeout)

@@ -1,8 +1,6 @@
 """Owned fds (sharedmp/fds.py): closed once, by their holder, in the process that owns them."""
 import gc
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from sharedmp.channels import flow
 from sharedmp.memory import manager, recycle
 from sharedmp.memory.views import mapping_of
 
-TIMEOUT = 30
+from conftest import fork_and_wait
 
 
 def is_open(fd):
@@ -53,19 +51,15 @@ def test_a_forked_childs_copy_never_closes_the_parents_number():
     r, w = os.pipe()
     os.close(w)
     h = fds.Fd(r)
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            os.close(r)                           # (as the forks.in_child hooks do)
-            other = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(other, r)                     # another file under the same number
-            h.close()                             # the parent's holder, copied: closes nothing
-            code = 0 if is_open(r) else 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child():
+        os.close(r)                               # (as the forks.in_child hooks do)
+        other = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(other, r)                         # another file under the same number
+        h.close()                                 # the parent's holder, copied: closes nothing
+        return is_open(r)
+
+    assert fork_and_wait(child) == 0
     assert is_open(r)                             # the parent's own is untouched
     h.close()
     assert not is_open(r)
@@ -82,32 +76,11 @@ def test_take_hands_the_fd_over():
     os.close(r)
 
 
-def run_forked(child):
-    """``child()`` in a raw os.fork() child (the forks.in_child hooks run); its exit status."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if child() else 2
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("forked child did not exit", pytrace=False)
-        time.sleep(0.01)
-
-
 def test_close_inherited_closes_the_childs_copy_only():
     r, w = os.pipe()
     os.close(w)
     h = fds.Fd(r)
-    assert run_forked(lambda: (h.close_inherited(), h.fd == -1 and not is_open(r))[1]) == 0
+    assert fork_and_wait(lambda: (h.close_inherited(), h.fd == -1 and not is_open(r))[1]) == 0
     assert is_open(r) and h.fd == r
     h.close()
 
@@ -119,7 +92,7 @@ def test_a_queues_held_dups_are_owned_and_a_forked_child_closes_its_copies():
     dup = held[0][0]
     assert isinstance(dup, fds.Fd) and is_open(dup.fd)
     number = dup.fd
-    assert run_forked(lambda: not is_open(number) and not q._held._held and dup.fd == -1) == 0
+    assert fork_and_wait(lambda: not is_open(number) and not q._held._held and dup.fd == -1) == 0
     assert is_open(number) and dup.fd == number   # the parent's untouched
     q._held.release(held)
     assert dup.fd == -1 and not is_open(number)
@@ -138,7 +111,7 @@ def test_the_pools_private_fds_are_owned_and_a_forked_child_closes_its_copies():
     entries = [e for e in list(recycle._entries) if e[4] is None]
     assert entries and all(isinstance(e[2], fds.Fd) for e in entries)
     numbers = [e[2].fd for e in entries]
-    assert run_forked(lambda: recycle.kept() == (0, 0)
+    assert fork_and_wait(lambda: recycle.kept() == (0, 0)
                       and not any(is_open(n) for n in numbers)) == 0
     assert all(is_open(n) for n in numbers)       # the parent's pool keeps its own
     recycle.clear()
@@ -183,7 +156,7 @@ def test_a_forked_child_closes_its_copies_of_cudas_exported_fds():
     exporter._fds = {(0, 0, 1, 0): [fds.Fd(r), 0.0]}
     saved, ipc._exporter = ipc._exporter, exporter
     try:
-        assert run_forked(lambda: ipc._exporter is None and not is_open(r)) == 0
+        assert fork_and_wait(lambda: ipc._exporter is None and not is_open(r)) == 0
         assert is_open(r)
     finally:
         ipc._exporter = saved

@@ -23,7 +23,7 @@ from sharedmp.processes import pdeath
 
 import _process_workers as w
 from _helpers import proc_stat as _stat
-from conftest import TIMEOUT, join_or_kill
+from conftest import TIMEOUT, fork_and_wait, join_or_kill
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "_orphan_driver.py")
@@ -443,27 +443,6 @@ def _module_locks():
     return found
 
 
-def _fork_and_wait(child, timeout=TIMEOUT):
-    """Run ``child()`` in a raw os.fork() child; return its exit status (bounded)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if child() else 2
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"forked child deadlocked (no exit in {timeout} s)", pytrace=False)
-        time.sleep(0.01)
-
-
 def test_fork_while_other_threads_hold_every_sharedmp_lock():
     torch = _torch_or_none()                 # without torch: every lock but torch's side's
     locks = _module_locks()
@@ -503,7 +482,7 @@ def test_fork_while_other_threads_hold_every_sharedmp_lock():
             return (a.sum() == 1000
                     and pdeath._start_on_lasting_thread(lambda: 42) == 42)   # a new starter
 
-        assert _fork_and_wait(child) == 0
+        assert fork_and_wait(child) == 0
     finally:
         release.set()
         t.join(TIMEOUT)
@@ -526,7 +505,7 @@ def test_forked_child_resets_queues_of_its_parent():
     reader = threading.Thread(target=lambda: got.extend(q.get(timeout=TIMEOUT) for _ in range(n + 2)))
     reader.start()
     with q._notempty:                                 # as if the feeder were in the middle of it
-        status = _fork_and_wait(child)
+        status = fork_and_wait(child)
     assert status == 0
     reader.join(TIMEOUT)
     assert len(got) == n + 2
