@@ -22,10 +22,15 @@ def is_open(fd):
         return False
 
 
-def test_close_is_once_and_leaves_minus_one():
+def held_read_end():
+    """An Fd holding a pipe's read end (the write end closed), and its number."""
     r, w = os.pipe()
     os.close(w)
-    h = fds.Fd(r)
+    return fds.Fd(r), r
+
+
+def test_close_is_once_and_leaves_minus_one():
+    h, r = held_read_end()
     h.close()
     assert h.fd == -1 and not is_open(r)
     other = os.open(os.devnull, os.O_RDONLY)     # may reuse r's number
@@ -39,18 +44,14 @@ def test_close_is_once_and_leaves_minus_one():
 
 
 def test_the_holder_going_closes_its_fd():
-    r, w = os.pipe()
-    os.close(w)
-    h = fds.Fd(r)
+    h, r = held_read_end()
     del h
     gc.collect()
     assert not is_open(r)
 
 
 def test_a_forked_childs_copy_never_closes_the_parents_number():
-    r, w = os.pipe()
-    os.close(w)
-    h = fds.Fd(r)
+    h, r = held_read_end()
 
     def child():
         os.close(r)                               # (as the forks.in_child hooks do)
@@ -66,9 +67,7 @@ def test_a_forked_childs_copy_never_closes_the_parents_number():
 
 
 def test_take_hands_the_fd_over():
-    r, w = os.pipe()
-    os.close(w)
-    h = fds.Fd(r)
+    h, r = held_read_end()
     assert h.take() == r and h.fd == -1
     del h
     gc.collect()
@@ -77,9 +76,7 @@ def test_take_hands_the_fd_over():
 
 
 def test_close_inherited_closes_the_childs_copy_only():
-    r, w = os.pipe()
-    os.close(w)
-    h = fds.Fd(r)
+    h, r = held_read_end()
     assert fork_and_wait(lambda: (h.close_inherited(), h.fd == -1 and not is_open(r))[1]) == 0
     assert is_open(r) and h.fd == r
     h.close()
@@ -150,10 +147,10 @@ def test_the_manager_and_flow_share_one_token_mechanism():
 
 def test_a_forked_child_closes_its_copies_of_cudas_exported_fds():
     from sharedmp.cuda import ipc                 # (no GPU needed: the hook's fds are pipes)
-    r, w = os.pipe()
-    os.close(w)
+    h, r = held_read_end()
     exporter = ipc.Exporter.__new__(ipc.Exporter)
-    exporter._fds = {(0, 0, 1, 0): [fds.Fd(r), 0.0]}
+    exporter._fds = {(0, 0, 1, 0): [h, 0.0]}
+    del h
     saved, ipc._exporter = ipc._exporter, exporter
     try:
         assert fork_and_wait(lambda: ipc._exporter is None and not is_open(r)) == 0
