@@ -77,7 +77,12 @@ def test_take_hands_the_fd_over():
 
 def test_close_inherited_closes_the_childs_copy_only():
     h, r = held_read_end()
-    assert fork_and_wait(lambda: (h.close_inherited(), h.fd == -1 and not is_open(r))[1]) == 0
+
+    def child():
+        h.close_inherited()
+        return h.fd == -1 and not is_open(r)
+
+    assert fork_and_wait(child) == 0
     assert is_open(r) and h.fd == r
     h.close()
 

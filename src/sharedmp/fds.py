@@ -68,8 +68,7 @@ class Fd:
     def close_inherited(self) -> None:
         """(a forked child, from its ``forks.in_child`` hook, before anything could reuse the
         number) Close the child's own copy of the fd; the parent's stays open."""
-        self._finalizer.detach()
-        fd, self.fd = self.fd, -1
+        fd = self.take()
         if fd >= 0:
             try:
                 os.close(fd)

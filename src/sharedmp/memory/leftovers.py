@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 # (host.py reads /proc; its readers are named here too, for the tools)
-from .. import host
 from ..host import (ProcStat, fd_targets, have_proc, maps_lines, owner,  # noqa: F401
-                    pids, proc_stat)
+                    pid_exists, pids, proc_stat)
 from .segment import NAME_RE, PREFIX
 
 POOL_RE = re.compile(r"\.sharedmp-pool-(\d+)\Z")   # manager.POOL_DIR's names
@@ -140,7 +139,7 @@ def in_use(paths: Iterable[str]) -> set[str]:
     told."""
     paths = set(paths)
     pools = {p for p in paths if (m := POOL_RE.match(os.path.basename(p)))
-             and host.pid_exists(int(m.group(1)))}
+             and pid_exists(int(m.group(1)))}
     by_name: dict[str, list[str]] = {}
     by_inode = {}
     for p in paths:
@@ -259,7 +258,7 @@ def remove(entries: Iterable[Leftover]) -> list[Leftover]:
         removed.append(entry)
         parent = os.path.dirname(entry[0])
         m = POOL_RE.match(os.path.basename(parent))
-        if m and not host.pid_exists(int(m.group(1))):
+        if m and not pid_exists(int(m.group(1))):
             try:
                 os.rmdir(parent)              # (once empty: the daemon is gone)
             except OSError:

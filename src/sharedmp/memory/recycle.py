@@ -120,13 +120,13 @@ def give(size, mapping, private, since=None, available=None):
     machine could still make resident, if known (the pool stays below a quarter of that,
     counting itself)."""
     global _total
-    private = fds.Fd(private)         # the pool owns it from here
     with _lock:
         bound = _bound_now(size, available)
         if size > bound // 4:
-            private.close()
+            os.close(private)
             return
-        _entries.append([size, mapping, private, time.monotonic() if since is None else since,
+        since = time.monotonic() if since is None else since
+        _entries.append([size, mapping, fds.Fd(private), since,   # the pool owns the fd now
                          None, None, None, None, None, None])
         _total += size
         _bound(bound)
