@@ -180,10 +180,10 @@ def group_gone(pgid, wait=10):
         time.sleep(0.05)
 
 
-def fork_and_wait(child, timeout=TIMEOUT):
+def fork_and_wait(child, timeout=TIMEOUT, meanwhile=None):
     """Run ``child()`` in a raw os.fork() child (the ``forks.in_child`` hooks run): its exit
     status, 0 if it returned true, 2 if false, 1 if it raised (bounded: killed after
-    ``timeout`` s, and the test fails)."""
+    ``timeout`` s, and the test fails). ``meanwhile()`` runs in the parent once forked."""
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -191,6 +191,13 @@ def fork_and_wait(child, timeout=TIMEOUT):
             code = 0 if child() else 2
         finally:
             os._exit(code)
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)

@@ -32,3 +32,15 @@ def in_child(hook: _Hook) -> _Hook:
     """Run ``hook`` in every forked child (usable as a decorator); returns ``hook``."""
     os.register_at_fork(after_in_child=hook)
     return hook
+
+
+def before(hook: _Hook) -> _Hook:
+    """Run ``hook`` in the parent just before every fork (usable as a decorator)."""
+    os.register_at_fork(before=hook)
+    return hook
+
+
+def in_parent(hook: _Hook) -> _Hook:
+    """Run ``hook`` in the parent just after every fork (usable as a decorator)."""
+    os.register_at_fork(after_in_parent=hook)
+    return hook

@@ -16,7 +16,7 @@ any CUDA call (``check_not_forked``), where CUDA itself would fail or hang.
 import os
 import sys
 
-from .. import host
+from .. import forks, host
 
 CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -95,5 +95,5 @@ def _after_fork_in_child() -> None:
     _forked_from = _at_fork
 
 
-# (os.register_at_fork directly: sharedmp.forks has no "before" hook, and needs none else)
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+forks.before(_before_fork)
+forks.in_child(_after_fork_in_child)

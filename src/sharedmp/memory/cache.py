@@ -125,8 +125,11 @@ def expire(cutoff: float | None) -> bool:
 
 
 def empty() -> None:
-    """Let every cached segment of this process go now (``mp.empty_cache()``)."""
+    """Let every cached segment of this process go now (``mp.empty_cache()``): under
+    file_system, the daemon has unlinked those no other process holds when it returns."""
     expire(None)
+    from . import manager           # (here: manager imports this module)
+    manager.sync()
     _publish()
 
 

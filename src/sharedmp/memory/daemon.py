@@ -31,8 +31,8 @@ parentheses.
     C  <path>  created (``manager.created``): this client holds the segment. Sent before
        the file is made (``O_EXCL``), so that a creator killed at any point leaves nothing.
     H  <path>  holds (``manager.holds``): this client maps the segment now: a fork child
-       for what it inherited (its first records on its own connection), or a receiver on a
-       sharedmp channel whose message's token is not known. ``H <path>\\0<inode>``: a
+       for what it inherited (its first records on its own connection, see Fork), or a
+       receiver on a sharedmp channel whose message's token is not known. ``H <path>\\0<inode>``: a
        receiver on a sharedmp channel, from a message that carried the token whose pipe has
        this inode (``fstat`` of the token fd it received). If that message's reference is the
        token's only one for the path and not held (see ``t``, ``u``), it ends here. An ``H``
@@ -76,6 +76,11 @@ parentheses.
        are held until the token's end (``H`` no longer ends them), counted again if one ended
        already. Said before that message is sent, so before any ``H`` it causes: whatever
        made a segment look free is undone by the confirming read. Once per token and path.
+    W  <anything>  wait (``manager.sync``): answer ``DONE\n`` once every record read so far
+       has been acted on (after this pass and the next: see Ordering), so that what no one
+       holds any more is unlinked (or pooled) by then. Asked on a connection of its own,
+       after the client's own records are in the kernel: any read that finds the ``W`` finds
+       them too (they were written first), whichever client it reads first.
     ?  <anything>  answer one line ``STATS <clients> <segments> <in flight> <tokens>
        <pooled>`` (``manager.stats``, ``doctor``; the asking connection is one of the
        clients; tokens: the open ones, and the ids clients may still use; pooled: names held
@@ -111,6 +116,20 @@ not ordered by the kernel, and a receiver's ``R``/``D`` may be read before the s
 a segment whose count reaches zero is unlinked (or, parked, moved to the pool) only if it
 is still zero after one more read of every client (anything written before the zero was
 read is read by then). That read is made at once, in the same pass.
+
+Fork. A forked child maps what its parent mapped at the fork, but can say so (``H``) only
+on a connection of its own, made after the fork, while the parent goes on at once: the
+parent's ``P`` of a segment the child still maps could be read first, and the segment be
+pooled and handed out again under the child. So the parent holds them for the child across
+the fork (``manager.before_fork``, a ``before`` fork hook of ``segment.py``, for sharedmp's
+contexts, ``os.fork()`` and anything else that forks through Python): just before the fork
+it sends a token (``T <id> <path>\0...``: every named segment it maps) and keeps the write
+end; the child inherits a copy, connects, writes its ``H`` records and only then closes its
+copy; the parent closes its own as the fork returns. The pipe ends when both are closed, or
+when the child dies. The daemon handles a token's end and then reads every client before
+it decides what is unused, and the child's connection was accepted before it wrote (the
+handshake), so its ``H`` records are read by then: no segment mapped at a fork is ever
+unused, parked-free or pooled while a child of that fork may still map it.
 
 Lifetime. The daemon raises its soft ``RLIMIT_NOFILE`` to the hard limit as it starts. It
 waits ``STARTUP`` s for its first client. Once every client has gone it waits up to
@@ -222,6 +241,8 @@ class Daemon:
         # set order): this read of every client and the one before (the ``t`` was written
         # before the ``H``, so the next read finds it)
         self.early, self.early_before = set(), set()
+        self.passes = 0            # passes made (``one_pass``)
+        self.waiters = []          # [(client, pass count to answer at)] (``W``)
         self.seen_client = False
         self.started = time.monotonic()
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -549,6 +570,11 @@ class Daemon:
                     except OSError:
                         return False
                     continue
+                if op == b"W":
+                    # (the records read by now are acted on in this pass or the next: the
+                    # rule of two passes)
+                    self.waiters.append((client, self.passes + 2))
+                    continue
                 self.apply(client, op, os.fsdecode(path))
 
     def read_all(self):
@@ -584,10 +610,26 @@ class Daemon:
         for path in free & self.free:
             self._move(path)
         self.candidates, self.free = unused - self.candidates, free - self.free
+        self.passes += 1
+        if self.waiters:
+            self._answer_waiters()
+
+    def _answer_waiters(self):
+        """``W``: answer those whose records have been acted on."""
+        waiting = []
+        for client, at in self.waiters:
+            if self.passes < at:
+                waiting.append((client, at))
+            elif client.sock.fileno() >= 0:
+                try:
+                    client.sock.sendall(b"DONE\n")
+                except OSError:
+                    pass
+        self.waiters = waiting
 
     def run(self):
         while True:
-            timeout = 0.005 if self.candidates or self.free else 0.5
+            timeout = 0.005 if self.candidates or self.free or self.waiters else 0.5
             for key, _ in self.sel.select(timeout):
                 if key.fileobj is self.listener:
                     self.accept()

@@ -494,26 +494,52 @@ def daemon_pid():
     return _daemon[0] if _daemon is not None and _sock is not None else None
 
 
-def stats(path=None):
-    """{"clients", "segments", "in_flight", "tokens", "pooled"} of the daemon at ``path``
-    (default: ours), on a connection of its own; the segments are those the daemon has not
-    unlinked yet (pooled: names held for reuse, see ``parked``)."""
-    path = path or address()
+def _ask(path, record, what):
+    """Write ``record`` to the daemon at ``path`` on a connection of its own; its answer line."""
     s, _ = _hello(path)
     try:
         s.settimeout(HELLO_TIMEOUT)
-        s.sendall(b"? -\n")
+        s.sendall(record)
         reply = b""
         while not reply.endswith(b"\n"):
-            chunk = s.recv(4096)
+            try:
+                chunk = s.recv(4096)
+            except socket.timeout:
+                raise ManagerError(f"the sharedmp manager daemon at {path} did not answer {what} "
+                                   f"within {HELLO_TIMEOUT:.0f} s (is the machine overloaded?)"
+                                   ) from None
             if not chunk:
                 raise ManagerError(f"the sharedmp manager daemon at {path} hung up")
             reply += chunk
     finally:
         s.close()
+    return reply
+
+
+def stats(path=None):
+    """{"clients", "segments", "in_flight", "tokens", "pooled"} of the daemon at ``path``
+    (default: ours), on a connection of its own; the segments are those the daemon has not
+    unlinked yet (pooled: names held for reuse, see ``parked``)."""
+    path = path or address()
+    reply = _ask(path, b"? -\n", "stats")
     clients, segments, in_flight, tokens, *pooled = (int(x) for x in reply.split()[1:6])
     return {"clients": clients - 1, "segments": segments, "in_flight": in_flight, "tokens": tokens,
             "pooled": pooled[0] if pooled else 0}
+
+
+def sync() -> None:
+    """Return once the daemon has acted on every record this process sent: what no process
+    holds any more is unlinked, what is free is pooled (``W``). For ``mp.empty_cache()`` and
+    before a retry for memory; a no-op for a process that is not a client."""
+    if _sock is None or _dead is not None:
+        return
+    with _lock:                          # our records first (a finalizer may have queued some)
+        try:
+            _send_pending()
+        except OSError as e:
+            _lost(e)
+    if _dead is None:
+        _ask(_daemon[1], b"W -\n", "a wait")  # type: ignore[index]  # (a client: it is set)
 
 
 def find_daemons():
@@ -558,22 +584,72 @@ def remove_stale(path):
             pass
 
 
-def after_fork_in_child(held_paths: list[str]) -> None:
-    """(called by segment's fork hook) A fresh connection of our own for what we inherited.
+# Fork. A forked child maps what its parent mapped, so it holds those names too; it says so
+# (``H``) on a connection of its own, which it can only make after the fork, while the
+# parent goes on at once: the parent's next records (``P``, ``D``) could reach the daemon
+# first, and a segment the child still maps be pooled and reused by the parent. So the
+# parent holds them for the child across the fork: just before it, a token (``T``) names
+# every path it maps, its read end with the daemon; the child inherits the write end and
+# closes it once its own ``H`` records are sent (or dies); the parent closes its copy as
+# soon as the fork returns. See daemon.py, "Fork".
+_fork_tokens: "dict[int, int]" = {}     # thread id -> write end of its fork's token
 
-    The inherited socket is the parent's identity: the child closes its copy and, if the
-    parent was a client, connects itself and holds the named segments it maps.
-    """
-    global _lock, _pending, _sock, _dead
-    _lock = threading.Lock()
-    _pending = collections.deque()   # the parent's records: the parent sends them
-    if _sock is None:
+
+def before_fork(paths: "list[str]") -> None:
+    """(parent, just before a fork) Hold ``paths`` for the child until it holds them itself.
+    Never raises: a fork must not fail for this (without a daemon there is nothing to hold)."""
+    if _sock is None or _dead is not None or not paths:
         return
-    _sock.close()
-    _sock = None
     try:
-        ensure()
-        for path in held_paths:
-            _post(b"H", path)
+        r, w = fds.pipe()
+    except OSError:
+        return
+    try:
+        _post(b"T", b"%d " % next(_token_ids) + b"\0".join(map(os.fsencode, paths)), fd=r)
+    except (ManagerError, OSError):
+        os.close(w)
+        return
+    finally:
+        os.close(r)                      # (in the kernel now: _post waited)
+    _fork_tokens[threading.get_ident()] = w
+
+
+@forks.in_parent
+def _after_fork_in_parent() -> None:
+    w = _fork_tokens.pop(threading.get_ident(), None)
+    if w is not None:
+        os.close(w)                      # the child's copy holds the paths now
+
+
+_inherited = False                      # (in a forked child) the parent was a client
+
+
+@forks.in_child
+def _detach_in_child() -> None:
+    """(first of the fork hooks) The inherited socket is the parent's identity: a record the
+    child sent on it would be the parent's. Close the child's copy before anything can post."""
+    global _lock, _pending, _sock, _inherited
+    _lock = threading.Lock()
+    _pending = collections.deque()       # the parent's records: the parent sends them
+    _inherited = _sock is not None
+    if _sock is not None:
+        _sock.close()
+        _sock = None
+
+
+def after_fork_in_child(held_paths: list[str]) -> None:
+    """(called by segment's fork hook) Connect and hold the named segments the child maps,
+    then let go of the fork's token (the parent held them for the child until now)."""
+    global _dead
+    inherited = list(_fork_tokens.values())
+    _fork_tokens.clear()
+    try:
+        if _inherited:
+            ensure()
+            for path in held_paths:
+                _post(b"H", path)        # (in the kernel on return: before the token ends)
     except (ManagerError, OSError) as e:
         _dead = _dead or str(e)
+    finally:
+        for w in inherited:              # (another thread's fork token too, if one was open)
+            os.close(w)

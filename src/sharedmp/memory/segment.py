@@ -454,6 +454,7 @@ def create(size: int, kind: str, zero: bool = True,
                     or not (isinstance(e, OutOfSharedMemory) or e.errno == errno.EMFILE):
                 raise
         recycle.clear()             # the segments kept for reuse hold memory and fds: without them
+        manager.sync()              # (named ones: gone once the daemon has unlinked them)
         return _create(size, kind, revivable)
     except OSError as e:            # limits of this process, said with the setting to change
         if e.errno == errno.EMFILE:
@@ -703,6 +704,18 @@ def _attach_parked(path, consume, token):
     return mm
 
 
+# (before the hook below: a finalizer run by it takes ``_lock``, which another thread of the
+# parent may have held at the fork)
+forks.renew_locks(globals(), "_lock")
+
+
+@forks.before
+def _before_fork() -> None:
+    # The parent holds its named segments for the child until the child holds them itself
+    # (manager.py, "Fork"). (One C-level copy of the values: no lock, so no wait in a fork.)
+    manager.before_fork([s.path for s in list(_by_key.values()) if s.path is not None])
+
+
 @forks.in_child
 def _after_fork_in_child() -> None:
     _recent.clear()                 # the parent's cache; the child keeps what it uses itself
@@ -712,6 +725,3 @@ def _after_fork_in_child() -> None:
     _pending.clear()
     # The child maps what the parent mapped: it holds those names too, on its own connection.
     manager.after_fork_in_child([s.path for s in _by_key.values() if s.path is not None])
-
-
-forks.renew_locks(globals(), "_lock")
