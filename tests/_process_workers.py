@@ -156,3 +156,27 @@ def report_freeze(q):
     """Put how many objects this process's garbage collector has frozen."""
     import gc
     q.put(gc.get_freeze_count())
+
+
+class Cycle:
+    """An object in a reference cycle that says when it is finalized."""
+    finalized: list = []
+
+    def __init__(self):
+        self.me = self
+
+    def __del__(self):
+        Cycle.finalized.append(os.getpid())
+
+
+INHERITED = None      # (set by the parent before a fork: what its child inherits)
+
+
+def drop_inherited_cycle(q):
+    """Drop the inherited ``INHERITED`` (a cycle); put what a collection then found and
+    whether the cycle was finalized."""
+    import gc
+    global INHERITED
+    INHERITED = None
+    found = gc.collect()
+    q.put((found, os.getpid() in Cycle.finalized))

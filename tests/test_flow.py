@@ -7,6 +7,7 @@ passes ``$SHAREDMP_WINDOW_BYTES``. In the creating process an unbounded Queue's 
 never blocks: its feeder waits. Every wait here is bounded; children are killed by the
 leak fixture if a test fails.
 """
+import json
 import os
 import sys
 import time
@@ -176,3 +177,85 @@ def test_cpython_ignore_eintr_passes_under_forkserver(tmp_path):
                                 "-k", "TestIgnoreEINTR"], 150, env=env)
     assert rc == 0, out + err
     assert "2 run, 2 passed, 0 failed" in out, out
+
+
+# A fresh interpreter (the window's setting is read once per connection): with a bad
+# $SHAREDMP_WINDOW_BYTES, each channel's first send raises in its caller; then, with the
+# environment fixed, only the next message arrives (nothing of the first was queued, the
+# queues' counts are whole).
+_BAD_WINDOW = r'''
+import json, os, queue
+import numpy as np
+import sharedmp as mp
+
+ctx = mp.get_context("spawn")
+big = [np.zeros(10) for _ in range(1000)]       # over one record, and flight
+q, jq, sq = ctx.Queue(), ctx.JoinableQueue(), ctx.SimpleQueue()
+a, b = ctx.Pipe()
+senders = {"Queue": q.put, "JoinableQueue": jq.put, "SimpleQueue": sq.put, "Pipe": a.send}
+errors = {}
+for name, send in senders.items():
+    try:
+        send(big)
+        errors[name] = None
+    except ValueError as e:
+        errors[name] = str(e)
+del os.environ["SHAREDMP_WINDOW_BYTES"]
+for send in senders.values():
+    send("after")
+
+
+def drain(get, ready):
+    got = []
+    while ready():
+        got.append(get())
+    return [x if isinstance(x, str) else "big" for x in got]
+
+
+received = {
+    "Queue": drain(lambda: q.get(timeout=5), lambda: q._reader.poll(1)),
+    "JoinableQueue": drain(lambda: jq.get(timeout=5), lambda: jq._reader.poll(1)),
+    "SimpleQueue": drain(sq.get, lambda: sq._reader.poll(1)),
+    "Pipe": drain(b.recv, lambda: b.poll(1)),
+}
+jq.task_done()
+try:
+    jq.task_done()                              # one message counted, not two
+    extra_task = True
+except ValueError:
+    extra_task = False
+print(json.dumps({"errors": errors, "received": received, "qsize": [q.qsize(), jq.qsize()],
+                  "extra_task": extra_task}))
+'''
+
+
+def test_a_bad_window_setting_raises_in_the_sender_and_drops_nothing():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHAREDMP_")}
+    rc, out, err = run_bounded([sys.executable, "-c", _BAD_WINDOW], 60,
+                               env={**env, flow.ENV: "bogus"})
+    assert rc == 0, err[-3000:]
+    res = json.loads(out.splitlines()[-1])
+    for name, message in res["errors"].items():
+        assert message is not None, f"{name}: the first send returned ({err[-2000:]})"
+        assert message.startswith("$SHAREDMP_WINDOW_BYTES must be") and "'bogus'" in message
+    assert res["received"] == {name: ["after"] for name in res["errors"]}
+    assert res["qsize"] == [0, 0] and not res["extra_task"]
+    assert "Traceback" not in err                 # no feeder thread printed anything
+
+
+def test_a_message_the_feeder_cannot_send_is_reported_not_silently_lost():
+    # put() has returned by then: the feeder says on stderr what it dropped and why, and the
+    # queue's count gives the message back (every reader closed: EPIPE).
+    code = ("import time, numpy as np, sharedmp as mp\n"
+            "q = mp.get_context('spawn').Queue()\n"
+            "q._reader.close()\n"
+            "q.put([np.zeros(10) for _ in range(1000)])     # over one record: the feeder\n"
+            "deadline = time.monotonic() + 30\n"
+            "while q._buffer and time.monotonic() < deadline:\n"
+            "    time.sleep(0.01)\n"
+            "print(q.qsize())\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHAREDMP_")}
+    rc, out, err = run_bounded([sys.executable, "-c", code], 60, env=env)
+    assert rc == 0, err[-3000:]
+    assert out.split() == ["0"]
+    assert "feeder thread could not send a message and dropped it: BrokenPipeError" in err

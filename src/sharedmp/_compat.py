@@ -49,6 +49,12 @@ def start_method_of(process: Any) -> str | None:
     return getattr(process, "_start_method", None)
 
 
+def target_of(process: Any) -> Any:
+    """The target a Process was made with (None if none): ``BaseProcess._target``, set by
+    ``__init__`` (3.10-3.14)."""
+    return getattr(process, "_target", None)
+
+
 # ``ForkingPickler._extra_reducers``: what ``ForkingPickler.register`` added, a dict of the
 # class (3.10-3.14), filled and never replaced, merged into each pickler's dispatch table.
 # The dict itself, not a function returning it: wire.py reads it twice per message.

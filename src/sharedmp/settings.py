@@ -31,6 +31,7 @@ KEEP_ORPHANS = "SHAREDMP_KEEP_ORPHANS"
 CUDA_EXIT_TIMEOUT = "SHAREDMP_CUDA_EXIT_TIMEOUT"
 CUDA_EXIT_UNCLAIMED = "SHAREDMP_CUDA_EXIT_UNCLAIMED"
 MANAGER = "SHAREDMP_MANAGER"
+FREEZE_FORKED = "SHAREDMP_FREEZE_FORKED"
 # torch.multiprocessing's own, honoured as torch does
 PARALLEL_START = "TORCH_MP_PARALLEL_START"
 
@@ -92,6 +93,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable(CUDA_EXIT_TIMEOUT, 5.0, _number(0), "a number of seconds >= 0"),
     Variable(CUDA_EXIT_UNCLAIMED, 2.0, _number(0), "a number of seconds >= 0"),
     Variable(MANAGER, None, _path, "the path of a sharedmp manager daemon's socket"),
+    Variable(FREEZE_FORKED, None, _flag,
+             "1 to freeze what every forked child inherits (gc.freeze()), 0 for none, or "
+             "unset for torch DataLoader workers of sharedmp's contexts only"),
     Variable(PARALLEL_START, False, lambda raw: raw == "1",
              "1 to start forkserver children from threads, as torch does"),
 )}

@@ -11,9 +11,10 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import multiprocessing.context as _std
+import sys
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
-from .. import _compat, strategy
+from .. import _compat, settings, strategy
 from ..errors import ManagerError
 from ..memory import manager
 from ..processes.pdeath import DieWithParent
@@ -94,19 +95,27 @@ def _preload_in_fork_server() -> None:
 
 
 class _FreezeInherited(_compat.ChildStart):
-    """Process mixin: a forked child freezes the objects it inherits (``gc.freeze()``) as it
-    starts, before any collection runs in it.
+    """Process mixin: a forked child may freeze the objects it inherits (``gc.freeze()``) as
+    it starts, before any collection runs in it; by default only a torch DataLoader worker.
 
     A collection traverses every tracked object and writes its GC header: in a forked child
     that copies every page of the parent's Python heap that holds a container (copy-on-write),
-    once per child. Measured with torch's DataLoader over a shared dataset (``share_dataset``,
-    1M records, 3 epochs): the processes' memory grew by 27 MiB per worker, 1.8x from 1 to 4
-    workers; with the freeze 1.0x (112 and 109 MiB). Frozen objects are never collected in the
-    child: inherited garbage cycles stay (their pages are the parent's, shared, until
-    written); reference counting frees them as ever. ``gc.unfreeze()`` in the child undoes it.
+    once per child that runs a full collection. Measured with torch's DataLoader over a
+    shared dataset (``share_dataset``, 1M records, 3 epochs, 1 worker): the processes' Pss
+    137-141 MiB, frozen 90-95 (4 workers ran no full collection: the same either way,
+    85-95 MiB; docs/reference.md). The price: frozen objects are never
+    collected in the child, so an inherited cycle the child drops stays, its ``__del__``
+    never run, and ``gc.get_objects()`` no longer lists them. A drop-in keeps the standard
+    library's collector, so a child freezes only where asked (``_freezes``).
     """
 
+    _sharedmp_forks = False      # whether start() forks (mp.Process: decided at start())
     _sharedmp_freeze = False
+
+    def start(self) -> None:
+        # Decided here, in the caller of start(): a bad setting raises there, not in the child.
+        self._sharedmp_freeze = self._sharedmp_forks and _freezes(self)
+        super().start()
 
     def _child_starts(self) -> None:
         if self._sharedmp_freeze:
@@ -114,8 +123,29 @@ class _FreezeInherited(_compat.ChildStart):
         super()._child_starts()
 
 
+# torch's DataLoader starts each worker as ``ctx.Process(target=_worker_loop, ...)`` (1.x-2.x)
+_TORCH_WORKER_MODULE = "torch.utils.data._utils.worker"
+
+
+def _freezes(process: Any) -> bool:
+    """Whether a fork child of ``process`` freezes what it inherits: as $SHAREDMP_FREEZE_FORKED
+    says; unset, if it is a torch DataLoader worker. Such a worker runs torch's loop over the
+    dataset the parent made (passed to a sharedmp context so that the workers share it): its
+    inherited objects are that dataset and the parent's heap, which it reads and never drops,
+    while what it makes itself (samples, batches) is collected as ever. There the freeze is
+    what keeps the workers' memory constant; user code the worker runs drops nothing
+    inherited in the cases DataLoader is built for."""
+    setting = settings.get(settings.FREEZE_FORKED)
+    if setting is not None:
+        return bool(setting)
+    # (torch is never imported here: a program that has no worker module loaded has no worker)
+    module = sys.modules.get(_TORCH_WORKER_MODULE)
+    target = _compat.target_of(process)
+    return target is not None and target is getattr(module, "_worker_loop", None)
+
+
 class ForkProcess(DieWithParent, _CarryStrategy, _FreezeInherited, _std.ForkProcess):
-    _sharedmp_freeze = True
+    _sharedmp_forks = True
 
 
 class SpawnProcess(DieWithParent, _CarryStrategy, _std.SpawnProcess):
@@ -137,7 +167,7 @@ class Process(DieWithParent, _CarryStrategy, _FreezeInherited, _std.Process):
         method = multiprocessing.get_start_method()
         if method == "forkserver":
             _preload_in_fork_server()
-        self._sharedmp_freeze = method == "fork"
+        self._sharedmp_forks = method == "fork"
         super().start()
 
 

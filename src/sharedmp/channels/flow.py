@@ -58,9 +58,12 @@ class Window:
     """The flight of one connection end in this process: tokens of messages not yet taken."""
 
     def __init__(self) -> None:
-        # Sized by the first message that makes flight (``_size``): reading the memory
-        # available costs about 0.5 ms, which a channel of small messages by value, that
-        # never needs it, would pay on its first send.
+        # The setting is read here, in the thread of the connection's first send or put():
+        # a bad value raises there, naming the variable, not in a queue's feeder thread
+        # after put() returned (the message dropped). Sized by the first message that makes
+        # flight (``_size``): reading the memory available costs about 0.5 ms, which a
+        # channel of small messages by value, that never needs it, would pay on its first send.
+        self._setting: int | None = settings.get(ENV)
         self.limit = self.step = 0
         self._uncounted = 0                   # flight of recent messages, below a step
         self._tokens: dict[int, int] = {}     # read end -> bytes it stands for
@@ -116,7 +119,9 @@ class Window:
         return self.flight + self._uncounted + nbytes <= self.limit
 
     def _size(self) -> None:
-        self.limit = window_bytes()
+        # (a value set at creation is used as read then: read again, a value changed since
+        # could raise here, in a queue's feeder thread)
+        self.limit = window_bytes() if self._setting is None else self._setting
         self.step = max(1, self.limit // 8)
 
     def wait(self) -> None:

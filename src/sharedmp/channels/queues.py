@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from multiprocessing.synchronize import BoundedSemaphore, Lock
 
     from .connection import Connection
+    from .flow import Window
 
 _SENTINEL = object()
 
@@ -171,9 +172,9 @@ class SimpleQueue:
         return loads(*_get_frame(self._reader, self._rlock))     # (unpickled without the lock)
 
     def put(self, obj: Any) -> None:
+        window = self._writer._flow()          # (first: a bad setting raises before dumps)
         payload, fds, flags = dumps(obj, self._writer._tokens)
-        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags,
-                          self._writer._flow())
+        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, window)
 
 
 class Queue:
@@ -223,6 +224,9 @@ class Queue:
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
+        # First: the first put() makes the window, which reads its setting; a bad value
+        # raises here, before anything is counted or queued (never in the feeder thread).
+        window = self._writer._flow()
         if not self._sem.acquire(block, timeout):
             raise Full
         try:
@@ -231,14 +235,14 @@ class Queue:
             self._sem.release()
             raise
         self._count_task()
-        self._send(payload, fds, flags)
+        self._send(payload, fds, flags, window)
 
     def _count_task(self) -> None:
         pass
 
-    def _send(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> None:
+    def _send(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int,
+              window: Window) -> None:
         self._used = True
-        window = self._writer._flow()
         if _pid != self._creator:
             fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, window)
             return
@@ -358,12 +362,24 @@ class Queue:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return
                 sem.release()
-                import traceback
-                traceback.print_exc()
+                _report_dropped(e)
             finally:
                 held.release(taken)
                 with notempty:
                     buffer.popleft()
+
+
+def _report_dropped(e: Exception) -> None:
+    """A message put() accepted could not be sent: said on stderr, with the traceback, as
+    multiprocessing's feeder reports what it could not pickle; put() has returned, so no
+    caller is left to raise in. Pickling and the settings raise in put() itself: what
+    reaches here is the system's refusal (shared memory full, every reader closed, a
+    message of too many segments), which no retry would mend."""
+    import sys
+    import traceback
+    print(f"sharedmp: a Queue's feeder thread could not send a message and dropped it: "
+          f"{type(e).__name__}: {e}", file=sys.stderr)
+    traceback.print_exc()
 
 
 class JoinableQueue(Queue):

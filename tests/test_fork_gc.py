@@ -1,0 +1,94 @@
+"""A forked child's garbage collector: the standard library's by default; frozen (gc.freeze()
+as the child starts, so that its collections do not copy the parent's heap) where asked:
+$SHAREDMP_FREEZE_FORKED=1 for every fork child, and torch DataLoader workers started
+through a sharedmp context. Real processes; every wait bounded, children killed by the
+leak fixture if a test fails."""
+import gc
+import multiprocessing
+
+import pytest
+
+import sharedmp as mp
+
+import _process_workers as w
+from conftest import TIMEOUT, join_or_kill
+
+FREEZE = "SHAREDMP_FREEZE_FORKED"
+
+
+def _run(p, q):
+    p.start()
+    try:
+        return q.get(timeout=TIMEOUT)
+    finally:
+        assert join_or_kill(p) == 0
+
+
+@pytest.mark.parametrize("make", ["context", "mp.Process"])
+def test_the_setting_freezes_what_every_fork_child_inherits(make, monkeypatch):
+    std = multiprocessing.get_context("fork")
+    monkeypatch.setenv(FREEZE, "1")
+    q = std.Queue()
+    if make == "mp.Process":
+        monkeypatch.setattr(multiprocessing.context._default_context, "_actual_context", std)
+        p = mp.Process(target=w.report_freeze, args=(q,))
+    else:
+        p = mp.get_context("fork").Process(target=w.report_freeze, args=(q,))
+    assert _run(p, q) > gc.get_freeze_count() + 1000   # (the interpreter's own objects alone)
+    # What it costs: an inherited cycle the child drops stays, unfinalized.
+    monkeypatch.setattr(w, "INHERITED", w.Cycle())
+    w.Cycle.finalized.clear()
+    found, finalized = _run(mp.get_context("fork").Process(target=w.drop_inherited_cycle,
+                                                           args=(q,)), q)
+    assert not finalized
+
+
+def test_a_bad_setting_raises_in_start(monkeypatch):
+    monkeypatch.setenv(FREEZE, "sometimes")
+    p = mp.get_context("fork").Process(target=w.report_freeze, args=(None,))
+    with pytest.raises(ValueError, match=r"^\$SHAREDMP_FREEZE_FORKED must be .*'sometimes'"):
+        p.start()
+    assert p.pid is None                            # nothing was started
+
+
+class _FreezeCounts:
+    """A torch Dataset whose every sample is its worker's gc.get_freeze_count()."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return gc.get_freeze_count()
+
+
+def _worker_freeze_counts(ctx):
+    from torch.utils.data import DataLoader
+    loader = DataLoader(_FreezeCounts(), batch_size=1, num_workers=1,
+                        multiprocessing_context=ctx, timeout=TIMEOUT)
+    return [int(b) for b in loader]
+
+
+@pytest.mark.parametrize("setting, frozen", [(None, True), ("1", True), ("0", False)])
+def test_dataloader_fork_workers_of_a_sharedmp_context_freeze(monkeypatch, setting, frozen):
+    # The sharedmp dataset path (DataLoader(multiprocessing_context=mp.get_context("fork")))
+    # asks for workers that share the parent's pages: its workers freeze unless told not to.
+    pytest.importorskip("torch")
+    if setting is None:
+        monkeypatch.delenv(FREEZE, raising=False)
+    else:
+        monkeypatch.setenv(FREEZE, setting)
+    inherited = gc.get_freeze_count()
+    counts = _worker_freeze_counts(mp.get_context("fork"))
+    assert len(counts) == 2
+    if frozen:
+        assert min(counts) > inherited + 1000
+    else:
+        assert counts == [inherited, inherited]
+
+
+def test_dataloader_fork_workers_of_torch_context_are_left_alone(monkeypatch):
+    # torch's own fork context is the standard library's: sharedmp changes nothing there.
+    pytest.importorskip("torch")
+    monkeypatch.delenv(FREEZE, raising=False)
+    inherited = gc.get_freeze_count()
+    assert _worker_freeze_counts("fork") == [inherited, inherited]
