@@ -36,6 +36,41 @@ def test_short_stress_run(tmp_path):
     assert "corrupted        0" in proc.stdout and "result           ok" in proc.stdout
 
 
+@pytest.mark.timeout(4 + 2 * stress.GRACE + 120)
+def test_fork_events_and_pattern_checks(tmp_path):
+    """A few seconds: fork children keep arrays their parent dropped and made again (both
+    strategies), and every array is checked against its pattern; none changed, none lost,
+    nothing left."""
+    out = tmp_path / "stress.json"
+    proc = subprocess.run([sys.executable, "-m", "sharedmp", "stress", "--seconds", "4",
+                           "--seed", "7", "--json", str(out)], capture_output=True, text=True,
+                          timeout=4 + 2 * stress.GRACE + 90)
+    assert out.exists(), proc.stdout + proc.stderr
+    t = json.loads(out.read_text())["totals"]
+    assert (t["corrupted"], t["lost"], t["left"]) == (0, 0, 0), proc.stdout
+    assert t["fork_events"] > 0 and t["fork_unreported"] == 0, proc.stdout
+    for strategy in ("file_descriptor", "file_system"):
+        assert t["by_strategy"][strategy]["fork_events"] > 0, t["by_strategy"]
+    assert t["fork_child_checks"] >= 2 * len(stress.FORK_CLASSES) * t["fork_events"]
+    assert t["pattern_checks"] > t["fork_child_checks"]
+    assert "fork events" in proc.stdout and "left             0" in proc.stdout
+
+
+def test_patterns_are_unique_and_survive_views():
+    rng = np.random.default_rng(3)
+    import sharedmp as mp
+    for i in range(200):
+        a, spec = stress.make_array(rng, mp, stress.pattern_id("t", i))
+        assert stress.holds_pattern(a, spec)
+        if a.nbytes >= 8:
+            other = (stress.pattern_id("t", i + 1),) + spec[1:]
+            assert not stress.holds_pattern(a, other)
+            flat = a.reshape(-1)[:1].view(np.uint8)
+            if a.flags.writeable and np.shares_memory(flat, a):     # (not a copy)
+                flat[0] ^= 1
+                assert not stress.holds_pattern(a, spec)
+
+
 # -- the verdict: a pure function of the shared counters -------------------------------------
 
 P, T, C = 2, 2, 2
@@ -67,7 +102,8 @@ def test_judge_killed_producer_may_have_one_message_on_its_way_but_lose_none():
     cnt[0, 0, 0, stress.RECV] = 11             # sent, counter not yet raised when killed
     ends[0, 0] = stress.TRUNCATED              # the next one was cut in the middle
     v = stress.judge(cnt, cstats, ends, {0}, set())
-    assert (v["lost"], v["duplicated"], v["in_transit_at_kill"], v["truncated_frames"]) == (0, 0, 1, 1)
+    assert (v["lost"], v["duplicated"], v["in_transit_at_kill"], v["truncated_frames"]) \
+        == (0, 0, 1, 1)
     cnt[0, 1, 1, stress.RECV] = 9              # but a message whose send() returned is lost
     assert stress.judge(cnt, cstats, ends, {0}, set())["lost"] == 1
     cnt[0, 1, 1, stress.RECV] = 12             # or two more than sent arrived
@@ -79,7 +115,8 @@ def test_judge_messages_to_a_killed_consumer_are_counted_apart():
     cnt[:, :, 1, stress.RECV] = 10
     ends[:, 0] = stress.OPEN
     v = stress.judge(cnt, cstats, ends, set(), {0})
-    assert v["lost"] == 0 and v["lost_to_killed_consumers"] == P * T * 6 and v["bad_channel_ends"] == 0
+    assert v["lost"] == 0 and v["lost_to_killed_consumers"] == P * T * 6
+    assert v["bad_channel_ends"] == 0
 
 
 def test_judge_truncated_frame_from_a_live_producer_is_a_problem():

@@ -1,5 +1,5 @@
-"""``python -m sharedmp stress [--seconds S] [--json FILE]``: load, SIGKILLs, and a count of
-what went wrong.
+"""``python -m sharedmp stress [--seconds S] [--seed N] [--json FILE]``: load, SIGKILLs,
+forks, and a count of what went wrong.
 
 The run is a series of rounds ("epochs"), alternating the two sharing strategies (and
 the spawn and forkserver start methods). Each epoch is one program::
@@ -7,19 +7,24 @@ the spawn and forkserver start methods). Each epoch is one program::
     stress (this process)          never touches shared memory; checks leftovers after each epoch
       └─ leader (spawn)            the epoch's program: shared counters, wiring, SIGKILLs, verdict
            ├─ producer × P         T threads each; random arrays (dtypes, sizes, views) and objects
-           └─ consumer × C         K threads each; checks every message end to end
+           ├─ consumer × C         K threads each; checks every message end to end
+           └─ forker               fork events (never killed)
 
 Every producer has its own one-way sharedmp ``Pipe`` to every consumer, so that how a
 channel ends tells of one producer and one consumer. A producer's threads send on its
 channels at the same time, with no lock: one frame is one SOCK_SEQPACKET record sent by
 one ``sendmsg`` (``channels/fdpass.py``), so concurrent senders never interleave, and a
 writer killed in the middle of a ``send()`` leaves the channel intact for the others.
-A message is ``(producer, thread, seq, items, digests)``; each item is an array or an
-ordinary object and its digest (blake2b of dtype, shape, flags and bytes; of the pickle
-for objects). Per stream (producer, thread, consumer), the producer counts the messages
-whose ``send()`` returned and the consumer the ones it received in order, in shared
-counters that outlive a SIGKILL. The leader SIGKILLs random producers and consumers
-while they run; once all have ended it judges every stream:
+A message is ``(producer, thread, seq, items, digests, must_share, patterns)``; each item
+is an array or an ordinary object and its digest (blake2b of dtype, shape, flags and bytes;
+of the pickle for objects). Every array anyone makes holds a pattern of its own (a 64-bit
+id repeated through its bytes, ``pattern``), so that memory recycled under a holder shows:
+a consumer checks the whole pattern of each array when it receives it and again when it
+drops it (each thread keeps its last ``HOLD`` messages), a producer before it drops what
+it sent; a mismatch is counted as corrupted. Per stream (producer, thread, consumer), the
+producer counts the messages whose ``send()`` returned and the consumer the ones it
+received in order, in shared counters that outlive a SIGKILL. The leader SIGKILLs random
+producers and consumers while they run; once all have ended it judges every stream:
 
 - neither end killed: received == sent, every digest right, no duplicate, no gap;
 - producer killed: nothing whose ``send()`` returned may be lost (received is sent, or
@@ -29,10 +34,23 @@ while they run; once all have ended it judges every stream:
 - consumer killed: what was sent to it and not received is counted apart
   (``lost_to_killed_consumers``): it died with it.
 
+Fork events (the forker, in the epoch's strategy, until the window ends): it makes arrays
+of each size class (by value: private memory; 16 KiB: carved from an arena; 4 MiB: a
+segment of its own), checks them, and forks, by ``os.fork()`` and by a fork-context
+``Process`` in turn. At once it drops them and makes new arrays of the same classes,
+``RECYCLE_ROUNDS`` times (the recycler hands out what it may), while the child keeps its
+inherited copies; then the child checks every one still holds its own pattern and reports
+on a pipe. A change is counted as corrupted (``fork_corrupted``); a child that never
+reports (``fork_unreported``) or ends badly, and new memory of the parent that overlaps
+memory the child still maps (``fork_reused_while_held``, from ``/proc/self/maps``) are
+problems. Every wait is bounded (``FORK_TIMEOUT``); a child still there is SIGKILLed by pid.
+
 Leftovers, after each epoch's program has ended: ``sharedmp_*`` files in the run's private
 shared-memory directory, fds of this process on segments, live processes of the run
 (found by a token in their environment: workers, fork server, manager daemon) and, in
 the leader once its workers are gone, the references its manager daemon still tracks.
+``left`` sums them (the daemon's only where no process was killed); processes of the run
+still alive are SIGKILLed by pid.
 """
 import gc
 import hashlib
@@ -64,6 +82,16 @@ SENT, SENT_BYTES, RECV, RECV_BYTES = range(4)
 CORRUPT, DUPLICATE, GAP, ERRORS = range(4)
 # ...and how each channel (producer, consumer) ended, as its consumer saw it.
 OPEN, EOF, TRUNCATED, FAILED = range(4)
+# ...and, per process (producers, consumers, the forker) and thread, pattern checks made and
+# failed (every array is filled with a pattern of its own: ``pattern``)...
+CHECKS, BAD = range(2)
+# ...and the forker's fork events.
+(F_EVENTS, F_OS_FORK, F_PROCESS, F_CHILD_CHECKS, F_CHILD_BAD, F_UNREPORTED, F_REUSED,
+ F_CHILD_FAILED) = range(8)
+HOLD = 4                     # messages a producer or consumer thread keeps before dropping
+FORK_TIMEOUT = 30.0          # seconds a fork child may take to check and report
+RECYCLE_ROUNDS = 3           # rounds of new arrays the forker makes while its child holds
+FORK_CLASSES = (("value", 256), ("arena", 16 << 10), ("own", 4 << 20))   # name, bytes
 DTYPES = ["|u1", "<i2", ">i4", "<i8", "<f4", "<f8", "<c8", ">c16", "|b1", "<f2", "|S5",
           [("a", "<i4"), ("b", "<f8"), ("c", "|u1")]]
 
@@ -82,8 +110,56 @@ def digest(x):
     return h.digest()
 
 
-def make_array(rng, mp):
-    """A random array: shared or not, any dtype, 0-d to 3-d, up to 2 MiB, sometimes a view."""
+def pattern_id(*parts):
+    """A 64-bit id unique to one array (of a run, epoch, process, thread, message, item)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(),
+                          "little") | 1
+
+
+def pattern(pid, dtype, shape):
+    """The array of ``dtype`` and ``shape`` whose bytes are ``pid`` repeated (its 64 bits as 64
+    bytes of 0/1 for bools, whose other bytes are not canonical)."""
+    dtype = np.dtype(dtype)
+    unit = pid.to_bytes(8, "little") if dtype.kind != "b" else \
+        bytes((pid >> i) & 1 for i in range(64))
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = (unit * (size // len(unit) + 1))[:size]          # read-only: copy to write
+    return np.frombuffer(raw, np.uint8).view(dtype).reshape(shape)
+
+
+def _view(a, op):
+    if op == "rev":
+        return a[::-1]                                   # negative strides
+    if op == "step":
+        return a[1::2]                                   # a gap between items
+    if op == "T":
+        return a.T
+    if op == "ro":
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def expected(spec):
+    """What an array made by ``spec`` = (pattern id, dtype, shape, view ops) holds."""
+    pid, dtype, shape, ops = spec
+    a = pattern(pid, dtype, shape)
+    for op in ops:
+        a = _view(a, op)
+    return a
+
+
+def holds_pattern(x, spec):
+    """Whether the array ``x`` holds, whole, the pattern ``spec`` put in it (a pattern check)."""
+    want = expected(spec)
+    return isinstance(x, np.ndarray) and x.dtype == want.dtype and x.shape == want.shape \
+        and x.tobytes() == want.tobytes()
+
+
+def make_array(rng, mp, pid=None):
+    """A random array: shared or not, any dtype, 0-d to 3-d, up to 2 MiB, sometimes a view,
+    filled with the pattern of ``pid`` (a fresh random id if None); (array, its pattern spec)."""
+    pid = int(rng.integers(1, 2**63)) if pid is None else pid
     dtype = np.dtype(DTYPES[rng.integers(len(DTYPES))])
     r = rng.random()
     if r < 0.03:
@@ -95,25 +171,23 @@ def make_array(rng, mp):
     shape = (n,) if rng.random() < 0.6 or n < 4 else (n // 4, 4)
     if n == 1 and rng.random() < 0.3:
         shape = ()
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = rng.integers(0, 256, size=size, dtype=np.uint8)
-    if dtype.kind == "b":
-        raw &= 1                                         # bools other than 0/1 are not canonical
-    src = raw.view(dtype).reshape(shape)
+    src = pattern(pid, dtype, shape)
     if rng.random() < 0.7:
         a = mp.empty(shape, dtype)                       # shared from the start
         a[...] = src
     else:
-        a = src                                          # copied once into shared memory when sent
+        a = src.copy()                                   # copied once into shared memory when sent
+    ops = []
     v = rng.random()
     if a.ndim >= 1 and a.shape[0] > 2 and v < 0.3:
-        a = a[::-1] if v < 0.15 else a[1::2]             # negative strides, a gap between items
+        ops.append("rev" if v < 0.15 else "step")
     elif a.ndim == 2 and v < 0.4:
-        a = a.T
+        ops.append("T")
     if rng.random() < 0.2:
-        a = a.view()
-        a.flags.writeable = False
-    return a
+        ops.append("ro")
+    for op in ops:
+        a = _view(a, op)
+    return a, (pid, dtype, shape, tuple(ops))
 
 
 def make_object(rng):
@@ -128,15 +202,32 @@ def make_object(rng):
     return ("tuple", int(rng.integers(1000)), None, True, {"nested": [1, 2.5, "three"]})
 
 
-def make_message(rng, mp, p, t, seq):
-    items = [make_array(rng, mp) if rng.random() < 0.6 else make_object(rng)
-             for _ in range(int(rng.integers(1, 5)))]
+def make_message(rng, mp, p, t, seq, epoch=0):
+    items, specs = [], []
+    for i in range(int(rng.integers(1, 5))):
+        if rng.random() < 0.6:
+            a, spec = make_array(rng, mp, pattern_id(epoch, p, t, seq, i))
+        else:
+            a, spec = make_object(rng), None
+        items.append(a)
+        specs.append(spec)
     nbytes = sum(x.nbytes for x in items if isinstance(x, np.ndarray))
     # Which arrays must arrive shared: those shared already, and plain ones too large to
     # travel by value (a smaller plain one may, or may not, by the message's budget).
     must_share = [isinstance(x, np.ndarray) and (mp.is_shared(x) or x.nbytes > BY_VALUE_MAX)
                   for x in items]
-    return (p, t, seq, items, [digest(x) for x in items], must_share), nbytes
+    return (p, t, seq, items, [digest(x) for x in items], must_share, specs), nbytes
+
+
+def check_patterns(msg):
+    """(pattern checks made, how many failed) over the arrays of a message."""
+    items, specs = msg[3], msg[6]
+    n = bad = 0
+    for x, spec in zip(items, specs):
+        if spec is not None:
+            n += 1
+            bad += not holds_pattern(x, spec)
+    return n, bad
 
 
 # ------------------------------------------------------------------------------- workers
@@ -157,8 +248,17 @@ def _start_when_told(clock, i):
     return clock[0]
 
 
-def producer(p, links, counters, clock, seed, report):
+def _drop_checked(held, row, keep=0):
+    """Drop the oldest messages of ``held`` but ``keep``, each checked once more first."""
+    while len(held) > keep:
+        n, bad = check_patterns(held.popleft())
+        row[CHECKS] += n
+        row[BAD] += bad
+
+
+def producer(p, links, counters, checks, clock, seed, report):
     """Send to every consumer from PRODUCER_THREADS threads until the deadline."""
+    import collections
     import sharedmp as mp
     deadline = _start_when_told(clock, p)
     errors = []
@@ -166,13 +266,22 @@ def producer(p, links, counters, clock, seed, report):
 
     def thread(t):
         rng = np.random.default_rng([seed, p, t])
+        held = collections.deque()           # what it sent last, checked again when dropped
+        try:
+            send_all(t, rng, held)
+        finally:
+            _drop_checked(held, checks[p, t])
+
+    def send_all(t, rng, held):
         while time.monotonic() < deadline and not all(dead):
             c = int(rng.integers(len(links)))
             row = counters[p, t, c]
             if dead[c] or row[SENT] - row[RECV] >= WINDOW:
                 time.sleep(0.001)
                 continue
-            msg, nbytes = make_message(rng, mp, p, t, int(row[SENT]))
+            msg, nbytes = make_message(rng, mp, p, t, int(row[SENT]), (seed, c))
+            held.append(msg)
+            _drop_checked(held, checks[p, t], HOLD)
             try:
                 links[c].send(msg)           # no lock: the other threads send on it too
             except (BrokenPipeError, ConnectionResetError):   # the consumer was killed
@@ -194,17 +303,21 @@ def producer(p, links, counters, clock, seed, report):
     _report(report, errors)
 
 
-def consumer(c, links, counters, cstats, ends, clock, report):
-    """Receive from every producer with CONSUMER_THREADS threads; check every message."""
+def consumer(c, links, counters, cstats, checks, ends, clock, report):
+    """Receive from every producer with CONSUMER_THREADS threads; check every message, when
+    it arrives and again when it is dropped (each thread keeps its last HOLD)."""
+    import collections
     import sharedmp as mp
     from multiprocessing.connection import wait
     deadline = _start_when_told(clock, len(counters) + c)
     errors = []
 
-    def check(p, msg):
-        sender, t, seq, items, digests, must_share = msg
+    def check(p, msg, mine):
+        sender, t, seq, items, digests, must_share, _ = msg
         row = counters[p, t, c]
-        if sender != p or len(items) != len(digests) \
+        n, bad = check_patterns(msg)
+        mine[CHECKS] += n
+        if sender != p or len(items) != len(digests) or bad \
                 or any(digest(x) != d for x, d in zip(items, digests)) \
                 or not all(mp.is_shared(x) for x, m in zip(items, must_share) if m):
             cstats[c, CORRUPT] += 1
@@ -217,6 +330,13 @@ def consumer(c, links, counters, cstats, ends, clock, report):
         row[RECV] = seq + 1
 
     def thread(k):
+        held = collections.deque()           # what it received last, checked when dropped
+        try:
+            receive_all(k, held)
+        finally:
+            _drop_checked(held, checks[len(counters) + c, k])
+
+    def receive_all(k, held):
         mine = {conn: p for p, conn in enumerate(links) if p % CONSUMER_THREADS == k}
         while mine:
             if time.monotonic() > deadline + GRACE:
@@ -237,8 +357,10 @@ def consumer(c, links, counters, cstats, ends, clock, report):
                     cstats[c, ERRORS] += 1
                     errors.append(f"consumer {c} from producer {p}: {e!r}")
                 else:
-                    check(p, msg)
+                    check(p, msg, checks[len(counters) + c, k])
+                    held.append(msg)
                     del msg
+                    _drop_checked(held, checks[len(counters) + c, k], HOLD)
                     continue
                 del mine[conn]
                 conn.close()
@@ -249,6 +371,194 @@ def consumer(c, links, counters, cstats, ends, clock, report):
     for th in threads:
         th.join()
     _report(report, errors)
+
+
+# ------------------------------------------------------------------------------- fork events
+
+def _backing(addresses):
+    """(st_dev-ish, inode, file offset) of the mapping of this process at each address (None
+    where it is private memory), from /proc/self/maps."""
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if int(parts[4]):
+                spans.append((lo, hi, parts[3], int(parts[4]), int(parts[2], 16)))
+    out = []
+    for a in addresses:
+        hit = next(((dev, ino, off + a - lo) for lo, hi, dev, ino, off in spans if lo <= a < hi),
+                   None)
+        out.append(hit)
+    return out
+
+
+def make_fork_set(mp, ids):
+    """An array of each class (by value, carved from an arena, a segment of its own) per id,
+    filled with its pattern; [(array, spec)]."""
+    out = []
+    for pid, (kind, nbytes) in zip(ids, FORK_CLASSES * (len(ids) // len(FORK_CLASSES))):
+        spec = (pid, np.dtype("<u8"), (nbytes // 8,), ())
+        a = pattern(pid, "<u8", spec[2]).copy() if kind == "value" else mp.empty(spec[2], "<u8")
+        if kind != "value":
+            a[...] = pattern(pid, "<u8", spec[2])
+        out.append((a, spec))
+    return out
+
+
+def _regions(arrays):
+    """Where the shared ones of ``arrays`` live: [(dev, inode, first byte, end)]."""
+    places = _backing([a.__array_interface__["data"][0] for a, _ in arrays])
+    return [(b[0], b[1], b[2], b[2] + a.nbytes) for (a, _), b in zip(arrays, places) if b]
+
+
+def _count_checks(arrays):
+    return len(arrays), sum(not holds_pattern(a, spec) for a, spec in arrays)
+
+
+def fork_child(arrays, go_fd, out_fd, parents_fds):
+    """In a fork child: check the inherited arrays, wait until told (the parent has dropped
+    them and made new ones meanwhile), check them again, drop them, report on ``out_fd``."""
+    import select
+    for fd in parents_fds:
+        os.close(fd)
+    n1, bad1 = _count_checks(arrays)
+    told = bool(select.select([go_fd], [], [], FORK_TIMEOUT)[0])
+    n2, bad2 = _count_checks(arrays)
+    wrong = [f"{spec[0]:#x} {a.nbytes} B: first word {int(a[0]):#x}" for a, spec in arrays
+             if not holds_pattern(a, spec)][:3]
+    del arrays[:]
+    gc.collect()
+    os.write(out_fd, json.dumps(dict(checks=n1 + n2, bad=bad1 + bad2, told=told,
+                                     wrong=wrong)).encode() + b"\n")
+    os.close(out_fd)
+
+
+def _read_report(fd, timeout):
+    """The fork child's report (a dict), or None if none came within ``timeout``."""
+    import select
+    data, end = b"", time.monotonic() + timeout
+    while not data.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+def _reap(pid, proc, timeout):
+    """Wait for a fork child until ``timeout``, then SIGKILL it (by pid); whether it ended
+    cleanly on its own."""
+    if proc is not None:
+        proc.join(timeout)
+        if proc.is_alive():
+            os.kill(pid, signal.SIGKILL)
+            proc.join(5)
+            return False
+        return proc.exitcode == 0
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return False
+
+
+def fork_event(mp, ctx, n, seed, fstats, mine, notes):
+    """One fork event: make arrays, fork (``os.fork`` or a fork-context Process: ``n`` odd or
+    even), drop them, make and recycle new ones of the same classes while the child holds
+    its copies, then let the child check them."""
+    ids = [pattern_id(seed, "fork", n, i) for i in range(2 * len(FORK_CLASSES))]
+    arrays = make_fork_set(mp, ids)
+    held = _regions(arrays)
+    n_, bad = _count_checks(arrays)                 # its last look before it drops them
+    mine[CHECKS] += n_
+    mine[BAD] += bad
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    use_process = n % 2 == 1
+    proc = None
+    if use_process:
+        proc = ctx.Process(target=fork_child, args=(arrays, go_r, out_w, (go_w, out_r)),
+                           name=f"fork-{n}")
+        proc.start()
+        pid = proc.pid
+    else:
+        pid = os.fork()
+        if pid == 0:                               # the child: never returns
+            code = 1
+            try:
+                fork_child(arrays, go_r, out_w, (go_w, out_r))
+                code = 0
+            finally:
+                os._exit(code)
+    os.close(go_r)
+    os.close(out_w)
+    fstats[F_EVENTS] += 1
+    fstats[F_PROCESS if use_process else F_OS_FORK] += 1
+    rep = None
+    try:
+        # At once: the child's copies are its own. (Emptied, not just unnamed: the Process
+        # object holds this list as its argument too.)
+        arrays.clear()
+        gc.collect()
+        fresh = []
+        for r in range(RECYCLE_ROUNDS):             # new arrays of the same sizes, recycled
+            time.sleep(0.02)
+            new = make_fork_set(mp, [pattern_id(seed, "fork", n, "new", r, i)
+                                     for i in range(2 * len(FORK_CLASSES))])
+            fstats[F_REUSED] += sum(1 for d, i, lo, hi in _regions(new) for D, I, LO, HI in held
+                                    if (d, i) == (D, I) and lo < HI and LO < hi)
+            n_, bad = _count_checks(fresh)
+            mine[CHECKS] += n_
+            mine[BAD] += bad
+            fresh = new
+        os.write(go_w, b"g")
+        rep = _read_report(out_r, FORK_TIMEOUT)
+        n_, bad = _count_checks(fresh)
+        mine[CHECKS] += n_
+        mine[BAD] += bad
+        del fresh
+    finally:
+        os.close(go_w)
+        os.close(out_r)
+        clean = _reap(pid, proc, FORK_TIMEOUT)
+    if rep is None:
+        fstats[F_UNREPORTED] += 1
+        notes.append(f"forker: fork event {n} ({'Process' if use_process else 'os.fork'}): "
+                     "the child never reported")
+    else:
+        fstats[F_CHILD_CHECKS] += rep["checks"]
+        fstats[F_CHILD_BAD] += rep["bad"]
+        if rep["bad"]:
+            notes.append(f"forker: fork event {n} ({'Process' if use_process else 'os.fork'}): "
+                         f"{rep['bad']} inherited arrays changed under the child: "
+                         + "; ".join(rep["wrong"]))
+    if not clean:
+        fstats[F_CHILD_FAILED] += 1
+
+
+def forker(i, strategy, clock, checks, fstats, seed, report):
+    """Fork events until the deadline (in the epoch's strategy)."""
+    import sharedmp as mp
+    mp.set_sharing_strategy(strategy)
+    ctx = mp.get_context("fork")
+    deadline = _start_when_told(clock, i)
+    notes, n = [], 0
+    while time.monotonic() < deadline:
+        try:
+            fork_event(mp, ctx, n, seed, fstats, checks[i, 0], notes)
+        except Exception as e:           # noqa: BLE001 -- a problem of the verdict
+            notes.append(f"forker: fork event {n}: {e!r}")
+            break
+        n += 1
+    _report(report, notes)
 
 
 # ------------------------------------------------------------------------------- the verdict
@@ -294,18 +604,25 @@ class _Program:
         self.counters = mp.zeros((P, PRODUCER_THREADS, C, 4), np.int64)
         self.cstats = mp.zeros((C, 4), np.int64)
         self.ends = mp.zeros((P, C), np.int64)
-        self.clock = mp.zeros(1 + P + C, np.float64)   # [deadline, ready flag of each worker]
+        self.clock = mp.zeros(2 + P + C, np.float64)   # [deadline, ready flag of each worker]
+        self.checks = mp.zeros((P + C + 1, max(PRODUCER_THREADS, CONSUMER_THREADS), 2), np.int64)
+        self.fstats = mp.zeros(8, np.int64)
         links = [[ctx.Pipe(duplex=False) for _ in range(C)] for _ in range(P)]
-        self.reports = [ctx.Pipe(duplex=False) for _ in range(P + C)]
+        self.reports = [ctx.Pipe(duplex=False) for _ in range(P + C + 1)]
         self.procs = [ctx.Process(target=producer, name=f"producer-{p}",
                                   args=(p, [links[p][c][1] for c in range(C)], self.counters,
-                                        self.clock, cfg["seed"], self.reports[p][1]))
+                                        self.checks, self.clock, cfg["seed"],
+                                        self.reports[p][1]))
                       for p in range(P)]
         self.procs += [ctx.Process(target=consumer, name=f"consumer-{c}",
                                    args=(c, [links[p][c][0] for p in range(P)], self.counters,
-                                         self.cstats, self.ends, self.clock,
+                                         self.cstats, self.checks, self.ends, self.clock,
                                          self.reports[P + c][1]))
                        for c in range(C)]
+        # The forker (never killed: index P + C, past those kill_some picks from).
+        self.procs.append(ctx.Process(target=forker, name="forker",
+                                      args=(P + C, cfg["strategy"], self.clock, self.checks,
+                                            self.fstats, cfg["seed"], self.reports[P + C][1])))
         for proc in self.procs:
             proc.start()
         for pair in [x for row in links for x in row] + self.reports:
@@ -389,6 +706,8 @@ def leader(cfg, result):
     killed_p = {v for v in killed if v < PRODUCERS}
     killed_c = {v - PRODUCERS for v in killed if v >= PRODUCERS}
     verdict = judge(prog.counters, prog.cstats, prog.ends, killed_p, killed_c)
+    verdict.update(fork_figures(prog.checks, prog.fstats))
+    verdict["corrupted"] += verdict["held_corrupted"] + verdict["fork_corrupted"]
     verdict.update(strategy=cfg["strategy"], start_method=cfg["start_method"],
                    window_s=cfg["window"], killed_producers=len(killed_p),
                    killed_consumers=len(killed_c), hung=hung, unclean_exits=unclean,
@@ -401,6 +720,17 @@ def leader(cfg, result):
     verdict.update(_daemon_after_workers(cfg["strategy"]))
     result.send(verdict)
     result.close()
+
+
+def fork_figures(checks, fstats):
+    """The pattern checks and fork events of an epoch, from their shared counters."""
+    f = [int(x) for x in fstats]
+    return dict(pattern_checks=int(checks[..., CHECKS].sum()) + f[F_CHILD_CHECKS],
+                held_corrupted=int(checks[..., BAD].sum()),     # found when dropped
+                fork_events=f[F_EVENTS], fork_os_fork=f[F_OS_FORK], fork_process=f[F_PROCESS],
+                fork_child_checks=f[F_CHILD_CHECKS], fork_corrupted=f[F_CHILD_BAD],
+                fork_unreported=f[F_UNREPORTED], fork_child_failed=f[F_CHILD_FAILED],
+                fork_reused_while_held=f[F_REUSED])
 
 
 def _daemon_after_workers(strategy):
@@ -479,27 +809,49 @@ def run_epoch(cfg, token, shm_dir):
     # Leftovers once the epoch's program is gone (the daemon lingers up to 1.5 s, then unlinks).
     gone = _poll(lambda: not live_run_processes(token), 10)
     files = _poll(lambda: not os.listdir(shm_dir), 5) or os.listdir(shm_dir)
+    stray = [] if gone else live_run_processes(token)
     verdict["leftovers"] = {
         "shm_files": 0 if files is True else len(files),
         "segment_fds": len(arena.stray_segment_fds()),
-        "processes": 0 if gone else len(live_run_processes(token)),
+        "processes": len(stray),
     }
-    for name in ([] if files is True else files):             # do not let one epoch spoil the next
-        os.unlink(os.path.join(shm_dir, name))
+    verdict["left"] = left_of(verdict)
+    for pid in stray:                                         # do not let one epoch spoil the next
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for name in ([] if files is True else files):
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+        except (FileNotFoundError, IsADirectoryError):
+            pass
     return verdict
 
 
+def left_of(v):
+    """What an epoch left: shm files, fds and processes once its program ended, fds of its
+    leader on segments, and what its daemon still tracked once the workers were gone (not
+    counted where a process was killed: messages that died with it, freed at the end)."""
+    daemon = v.get("daemon_after_workers") or {}
+    killed = v.get("killed_producers") or v.get("killed_consumers")
+    return sum(v.get("leftovers", {}).values()) + v.get("leader_segment_fds", 0) \
+        + (0 if killed else daemon.get("segments", 0) + daemon.get("in_flight", 0))
+
+
 VIOLATIONS = ("corrupted", "lost", "duplicated", "receive_errors", "bad_channel_ends")
+# (of the forker: a child that never reported or did not end cleanly, memory it held reused)
+FORK_VIOLATIONS = ("fork_unreported", "fork_child_failed", "fork_reused_while_held")
 
 
 def problems(v):
     """What is wrong in an epoch's verdict (empty: all good)."""
-    out = [f"{k} = {v[k]}" for k in VIOLATIONS if v.get(k)]
+    out = [f"{k} = {v[k]}" for k in VIOLATIONS + FORK_VIOLATIONS if v.get(k)]
     if v.get("failed"):
         out.append(v["failed"])
     out += [f"hung: {h}" for h in v.get("hung", [])] + v.get("unclean_exits", [])
     # A send that raised (other than on a killed consumer) stopped its thread: never right.
-    out += [n for n in v.get("notes", []) if n.startswith("producer ")]
+    out += [n for n in v.get("notes", []) if n.startswith(("producer ", "forker"))]
     out += [f"leftover {k} = {n}" for k, n in v.get("leftovers", {}).items() if n]
     if v.get("leader_segment_fds"):
         out.append(f"leader segment fds = {v['leader_segment_fds']}")
@@ -535,6 +887,7 @@ def stress(seconds=60.0, seed=None, log=print):
             log(f"epoch {i + 1}/{n} {v['strategy']:<15} {v['start_method']:<10} "
                 f"{v.get('messages', 0):>8} msgs {v.get('bytes', 0) / 2**20:>8.1f} MiB  kills "
                 f"{v.get('killed_producers', 0)}p+{v.get('killed_consumers', 0)}c  "
+                f"forks {v.get('fork_events', 0)}  checks {v.get('pattern_checks', 0)}  "
                 + ("ok" if not v["problems"] else "PROBLEMS: " + "; ".join(v["problems"])))
     finally:
         for k, val in saved.items():
@@ -547,11 +900,14 @@ def stress(seconds=60.0, seed=None, log=print):
     keys = ("messages", "bytes", "corrupted", "lost", "duplicated", "receive_errors",
             "bad_channel_ends",
             "lost_to_killed_consumers", "in_transit_at_kill", "truncated_frames",
-            "killed_producers", "killed_consumers")
+            "killed_producers", "killed_consumers", "pattern_checks", "held_corrupted",
+            "fork_events", "fork_os_fork", "fork_process", "fork_child_checks", "fork_corrupted",
+            "fork_unreported", "fork_child_failed", "fork_reused_while_held", "left")
     totals = {k: sum(v.get(k, 0) for v in epochs) for k in keys}
     totals["by_strategy"] = {s: {k: sum(v.get(k, 0) for v in epochs if v["strategy"] == s)
                                  for k in ("messages", "bytes", "killed_producers",
-                                           "killed_consumers")}
+                                           "killed_consumers", "fork_events", "pattern_checks",
+                                           "corrupted", "fork_corrupted", "left")}
                              for s in ("file_descriptor", "file_system")}
     totals["kills_survived"] = totals["killed_producers"] + totals["killed_consumers"]
     totals["leftovers"] = {k: sum(v.get("leftovers", {}).get(k, 0) for v in epochs)
@@ -579,7 +935,18 @@ def format_summary(rep):
         f"{rep['cpus']} CPUs",
         f"  moved            {t['messages']} messages, {t['bytes'] / 2**20:.1f} MiB of arrays"
         + "".join(f"; {s}: {b['messages']} msgs" for s, b in t["by_strategy"].items()),
-        f"  corrupted        {t['corrupted']}",
+        f"  pattern checks   {t['pattern_checks']} whole arrays checked against the pattern "
+        "their maker put in (receivers on arrival and when they drop them, holders before "
+        "they drop them, fork children)",
+        f"  fork events      {t['fork_events']} ({t['fork_os_fork']} os.fork, "
+        f"{t['fork_process']} fork-context Process): children checked "
+        f"{t['fork_child_checks']} inherited arrays after the parent dropped them and made new "
+        f"ones; {t['fork_corrupted']} changed, {t['fork_unreported']} children never reported, "
+        f"{t['fork_reused_while_held']} times the parent reused memory a child held"
+        + "".join(f"; {s}: {b['fork_events']} forks, {b['fork_corrupted']} changed"
+                  for s, b in t["by_strategy"].items()),
+        f"  corrupted        {t['corrupted']}   (messages, arrays held: "
+        f"{t['held_corrupted']}, in fork children: {t['fork_corrupted']})",
         f"  lost             {t['lost']}   "
         "(sent by a process not killed, or by a killed one before its kill)",
         f"  duplicated       {t['duplicated']}",
@@ -597,6 +964,8 @@ def format_summary(rep):
         f"  daemon refs      after workers: {t['daemon_refs_after_workers']} "
         "(messages that died with killed "
         "processes; released when their program ended)",
+        f"  left             {t['left']}   (the leftovers above, leader fds on segments, daemon "
+        "references after the workers with no process killed)",
         "  result           "
         + ("ok" if rep["ok"] else "PROBLEMS:\n    " + "\n    ".join(rep["problems"])),
     ]
