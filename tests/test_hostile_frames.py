@@ -22,12 +22,14 @@ import struct
 import tracemalloc
 from typing import Callable, NamedTuple
 
+import numpy as np
 import pytest
 
 import sharedmp as mp
 from sharedmp.channels.fdpass import (FDS_ON_SOCKET, HEADER, MAGIC, MAX_FDS, MAX_PAYLOAD,
                                       PAYLOAD_IN_MEMFD, RECORD, VERSION)
 from sharedmp.reductions.ndarray import rebuild_ndarray
+from sharedmp.wire import FLAG_ARRAY
 from sharedmp.reductions.segment import rebuild_fd_in_band
 
 from conftest import TIMEOUT, open_fds
@@ -198,6 +200,13 @@ def with_fd(make_fd):
     return lambda keep: [keep(make_fd())]
 
 
+def array_by_value(shape, strides, data, code=b"<f8"):
+    """An array frame by value (no fd): encode_array's header (offset 0), then ``data``."""
+    n = len(shape)
+    return frame(struct.pack("<QBB?", 0, n, len(code), False) + code
+                 + struct.pack(f"<{2 * n}q", *shape, *strides) + data, flags=FLAG_ARRAY)
+
+
 NONE = payload_of(None)
 BAD_HEADERS = [(b"XX", VERSION), (b"MS", VERSION), (MAGIC, VERSION + 1), (MAGIC, 0)]
 
@@ -287,6 +296,19 @@ HOSTILE = [
     Hostile("garbage_pickle_in_a_valid_frame",
             sends_fds(frame(b"\x80\x05not a pickle", nfds=1), with_fd(memfd)),
             pickle.UnpicklingError, None, after=goes_on),
+    # an array frame by value: its strides must be exactly the C or the F strides of its
+    # shape (the receiver copies the bytes in that order), its shape must fit its bytes
+    *[Hostile(f"array_by_value_strides_neither_c_nor_f-{name}",
+              sends(array_by_value((3, 4), strides, bytes(96))),
+              mp.ProtocolError, "neither the C nor the F strides", after=goes_on)
+      for name, strides in [("overlapping", (8, 8)), ("negative", (-32, 8)),
+                            ("zero", (0, 0)), ("of_a_view", (64, 16))]],
+    Hostile("array_by_value_huge_shape_with_a_zero_dimension",         # 0 bytes, 2**124 claimed
+            sends(array_by_value((0, 2 ** 62, 2 ** 62), (8, 8, 8), b"")),
+            mp.ProtocolError, "array frame by value .* too big", after=goes_on, peak=1 << 20),
+    Hostile("array_by_value_shape_larger_than_its_bytes",              # 1 TiB claimed, 8 sent
+            sends(array_by_value((1 << 37,), (8,), bytes(8))),
+            mp.ProtocolError, "does not hold an array", after=goes_on, peak=1 << 20),
 ]
 
 
@@ -442,3 +464,14 @@ def test_fds_dropped_by_the_kernel_msg_ctrunc(pipe):
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_array_frame_by_value_in_either_order_made_by_hand(pipe, order):
+    """The honest forms: C or F strides, the bytes in that order; the array keeps the order."""
+    raw, a, b = pipe
+    want = np.arange(12.0).reshape(3, 4, order=order)
+    strides = (32, 8) if order == "C" else (8, 24)
+    raw.sendall(array_by_value((3, 4), strides, want.tobytes(order=order)))
+    got = recv_now(b)
+    assert got.strides == strides and np.array_equal(got, want) and got.flags.writeable

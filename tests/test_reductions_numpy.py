@@ -302,3 +302,44 @@ def test_standard_pickle_is_not_affected():
     a = mp.zeros(4)
     r = pickle.loads(pickle.dumps(a))          # reducers live only on ForkingPickler
     assert np.array_equal(r, a) and not mp.is_shared(r)
+
+
+# -- by value: the order NumPy's own pickle keeps (issue 40) -------------------------------
+
+BY_VALUE_ORDERS = [
+    ("fortran", lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4))),
+    ("fortran-3d-big-endian",
+     lambda: np.asfortranarray(np.arange(24, dtype=">i8").reshape(2, 3, 4))),
+    ("fortran-read-only",
+     lambda: _readonly(np.asfortranarray(np.arange(6, dtype="u2").reshape(2, 3)))),
+    ("c", lambda: np.arange(12.0).reshape(3, 4)),
+    ("transposed-view", lambda: np.arange(24.0).reshape(4, 6)[::2].T),   # neither: C order
+    ("f-and-c", lambda: np.asfortranarray(np.arange(4.0).reshape(1, 4))),
+    ("empty", lambda: np.zeros((3, 0), order="F")),
+    ("0-d", lambda: np.array(2.5)),
+]
+
+
+def _by_value_sharedmp_pipe(a):
+    x, y = mp.Pipe()
+    with x, y:
+        x.send(a)                      # alone: the array frame
+        x.send([a])                    # inside a pickle
+        return [y.recv(), y.recv()[0]]
+
+
+@pytest.mark.parametrize("make", [m for _, m in BY_VALUE_ORDERS],
+                         ids=[n for n, _ in BY_VALUE_ORDERS])
+def test_by_value_keeps_the_order_numpy_pickle_keeps(make):
+    """An F-contiguous (not C-contiguous) array by value arrives F-contiguous, with the
+    strides NumPy's pickle would give; anything else C-contiguous. Byte order and the
+    read-only flag as sent."""
+    a = make()
+    want = pickle.loads(pickle.dumps(a, 5))                  # protocol 5 keeps byte order
+    got = [ForkingPickler.loads(ForkingPickler.dumps(a))] + _by_value_sharedmp_pipe(a)
+    for g in got:
+        assert not mp.is_shared(g)
+        assert (g.strides, g.flags.c_contiguous, g.flags.f_contiguous) == \
+            (want.strides, want.flags.c_contiguous, want.flags.f_contiguous)
+        assert g.dtype.str == a.dtype.str and np.array_equal(g, a)
+        assert g.flags.writeable == a.flags.writeable

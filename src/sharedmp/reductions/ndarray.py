@@ -77,7 +77,11 @@ def reduce_ndarray(a):
     if seg is None:
         oob = wire.current()
         if (a.nbytes <= STD_BY_VALUE_MAX if oob is None else oob.inband_room(a.nbytes)):
-            return rebuild_value, (a.tobytes(), _plain(a.dtype), a.shape, not a.flags.writeable)
+            flags = a.flags
+            if flags.fnc:                    # F-contiguous, not C: NumPy's pickle keeps F
+                return rebuild_value, (a.T.tobytes(), _plain(a.dtype), a.shape,
+                                       not flags.writeable, True)
+            return rebuild_value, (a.tobytes(), _plain(a.dtype), a.shape, not flags.writeable)
     if seg is None:                          # not shared yet: copy once into shared memory
         a = copy_to_shared(a)
         mapping, seg = mapping_of(a)
@@ -104,15 +108,17 @@ def _rebuild_args(a, seg, offset):
                              not a.flags.writeable)
 
 
-# A small array by value: its bytes in C order (NumPy's own pickle of protocol 4 would do,
-# but loses a non-native byte order: NumPy 2.4 receives '>i8' as int64).
-def rebuild_value(data, dtype, shape, readonly):
+# A small array by value: its bytes in C order, or in F order for an F-contiguous (not
+# C-contiguous) one, the order NumPy's own pickle keeps; the receiver's array has that
+# order. (NumPy's pickle of protocol 4 would do, but loses a non-native byte order: NumPy
+# 2.4 receives '>i8' as int64.)
+def rebuild_value(data, dtype, shape, readonly, fortran=False):
     if isinstance(dtype, str):
         dtype = _dtype(dtype)
     if not (type(data) is bytes and isinstance(dtype, np.dtype) and type(shape) is tuple
-            and all(type(n) is int for n in shape)):
+            and all(type(n) is int for n in shape) and type(fortran) is bool):
         raise SegmentError(f"malformed array by value: dtype={dtype!r} shape={shape!r}")
-    return _from_bytes(data, 0, dtype, shape, readonly)
+    return _from_bytes(data, 0, dtype, shape, readonly, fortran=fortran)
 
 
 # offset in the segment, ndim, length of the dtype string, read-only; then the dtype
@@ -161,15 +167,25 @@ def encode_array(a, fds):
 
 
 def _encode_value(a, code):
-    """The frame of a small plain array sent by value: the header (offset 0, C strides),
-    then its bytes in C order; no fd."""
-    n = a.ndim
-    strides, step = [0] * n, a.itemsize
-    for i in range(n - 1, -1, -1):
+    """The frame of a small plain array sent by value: the header (offset 0, the strides of
+    its C or F copy), then its bytes in that order; no fd."""
+    n, flags = a.ndim, a.flags
+    fortran = flags.fnc                  # F-contiguous, not C: F, as NumPy's pickle keeps it
+    return (_HEAD.pack(0, n, len(code), not flags.writeable) + code
+            + _DIMS[n].pack(*a.shape, *_packed_strides(a.shape, a.itemsize, fortran))
+            + (a.T.tobytes() if fortran else a.tobytes()))
+
+
+def _packed_strides(shape, itemsize, fortran):
+    """The strides NumPy gives the C (or F) array of ``shape`` made from packed bytes (a
+    reshape: a dimension of 0 counts as 1), which the receiver checks."""
+    if len(shape) == 1:
+        return (itemsize,)
+    strides, step = [0] * len(shape), itemsize
+    for i in (range(len(shape)) if fortran else range(len(shape) - 1, -1, -1)):
         strides[i] = step
-        step *= a.shape[i]
-    return (_HEAD.pack(0, n, len(code), not a.flags.writeable) + code
-            + _DIMS[n].pack(*a.shape, *strides) + a.tobytes())
+        step *= shape[i] or 1
+    return strides
 
 
 def decode_array(payload, fds):
@@ -179,7 +195,7 @@ def decode_array(payload, fds):
         if offset:
             raise ProtocolError("an array frame by value must say offset 0")
         return _from_bytes(payload, _HEAD.size + k + 16 * n, _dtype(bytes(code)), dims[:n],
-                           readonly)
+                           readonly, dims[n:])
     if len(payload) != _HEAD.size + k + 16 * n:
         raise ProtocolError(f"array frame of {len(payload)} bytes, its header says "
                             f"{_HEAD.size + k + 16 * n}")
@@ -203,8 +219,11 @@ def _header(payload):
         raise ProtocolError(f"malformed array frame ({len(payload)} bytes)") from None
 
 
-def _from_bytes(data, start, dtype, shape, readonly):
-    """A copy of the array of ``shape`` whose bytes are ``data[start:]``, checked first."""
+def _from_bytes(data, start, dtype, shape, readonly, strides=None, fortran=False):
+    """A copy of the array of ``shape`` whose bytes are ``data[start:]``, checked first; in F
+    order where ``fortran`` says so or where ``strides`` (a frame's: exactly those of the C
+    or the F array of ``shape``) are F strides, else in C order. The strides are NumPy's
+    own for a reshape of packed bytes, as its pickle gives them (also for empty arrays)."""
     count = 1
     for d in shape:
         count *= d
@@ -212,7 +231,25 @@ def _from_bytes(data, start, dtype, shape, readonly):
             or len(data) - start != count * dtype.itemsize:
         raise ProtocolError(f"array by value of {len(data) - start} bytes does not hold an "
                             f"array of dtype {dtype} and shape {shape}")
-    a = np.frombuffer(data, dtype, count, start).reshape(shape).copy()
+    try:
+        if count:
+            a = flat = np.frombuffer(data, dtype, count, start)
+        else:       # a bytearray of its own: writable, and the strides a reshape gives
+            a = flat = np.frombuffer(bytearray(), dtype)  # (a copy would have 0 ones)
+        if len(shape) != 1:                  # (1-d: ``flat`` is the array already)
+            a = flat.reshape(shape, order="F") if fortran else flat.reshape(shape)
+        if strides is not None and a.strides != strides:
+            a = flat.reshape(shape, order="F")
+            fortran = True
+            if a.strides != strides:
+                raise ProtocolError(f"array frame by value says strides {strides}, neither "
+                                    f"the C nor the F strides of shape {shape} and "
+                                    f"itemsize {dtype.itemsize}")
+    except (ValueError, TypeError) as e:     # too many dimensions, a size of 0 bytes, ...
+        raise ProtocolError(f"array frame by value of dtype {dtype} and shape {shape}: "
+                            f"{e}") from None
+    if count:
+        a = a.copy(order="F") if fortran else a.copy()
     if readonly:
         a.flags.writeable = False
     return a
