@@ -237,15 +237,15 @@ def pytest_configure(config):
             raise pytest.UsageError(f"{START_METHOD_ENV}={method!r}: not one of "
                                     f"{multiprocessing.get_all_start_methods()}")
         multiprocessing.set_start_method(method, force=True)
-
-
-def pytest_report_header(config):
-    return f"default start method: {multiprocessing.get_start_method()}"
     # Named segments of this run (and of the processes it starts) go to a tmpfs directory
     # of its own: the leak check must not count files of another run on the same machine.
     if not os.environ.get(segment.SHM_DIR_ENV) and os.path.isdir("/dev/shm"):
         config._sharedmp_shm_dir = tempfile.mkdtemp(prefix="sharedmp-tests-", dir="/dev/shm")
         os.environ[segment.SHM_DIR_ENV] = config._sharedmp_shm_dir
+
+
+def pytest_report_header(config):
+    return f"default start method: {multiprocessing.get_start_method()}"
 
 
 def pytest_unconfigure(config):
