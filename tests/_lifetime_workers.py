@@ -331,13 +331,7 @@ class Driver:
     def do_send(self, cid, channel, ids):
         child = self.children[cid]
         child.conn.send(("recv", channel, ids))
-        item = None
-        for item in self._arrays(ids):
-            if channel == "pipe":
-                child.channels["pipe"].send(item)
-            else:
-                child.channels[channel].put(item)
-        del item
+        self._put(child, channel, ids)
         if not child.conn.poll(WAIT):
             raise TimeoutError(f"child {cid} ({child.method}) did not receive {ids} on the "
                                f"{channel} within {WAIT} s")
@@ -345,6 +339,16 @@ class Driver:
         if status != "ok":
             raise RuntimeError(f"child {cid} ({child.method}) failed to receive:\n{reply}")
         return {"got": reply}
+
+    def _put(self, child, channel, ids):
+        """Send the arrays ``ids`` to ``child`` on ``channel``, keeping no reference."""
+        item = None
+        for item in self._arrays(ids):
+            if channel == "pipe":
+                child.channels["pipe"].send(item)
+            else:
+                child.channels[channel].put(item)
+        del item
 
     def do_child_drop(self, cid, id):
         self.children[cid].ask("drop", id)
@@ -361,14 +365,7 @@ class Driver:
         on that channel without telling it: they are in flight, never read."""
         child = self.children.pop(cid)
         if in_flight:
-            channel, ids = in_flight
-            item = None
-            for item in self._arrays(ids):
-                if channel == "pipe":
-                    child.channels["pipe"].send(item)
-                else:
-                    child.channels[channel].put(item)
-            del item
+            self._put(child, *in_flight)
             time.sleep(0.01)          # (the Queue's feeder thread writes it)
         code = child.kill()
         child.close_channels()

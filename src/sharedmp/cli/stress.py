@@ -303,6 +303,26 @@ def producer(p, links, counters, checks, clock, seed, report):
     _report(report, errors)
 
 
+def _check_message(msg, p, c, counters, cstats, mine, is_shared):
+    """(consumer ``c``) Judge a message from producer ``p``: counted in ``cstats`` and the
+    stream's row, its pattern checks in ``mine``."""
+    sender, t, seq, items, digests, must_share, _ = msg
+    row = counters[p, t, c]
+    n, bad = check_patterns(msg)
+    mine[CHECKS] += n
+    if sender != p or len(items) != len(digests) or bad \
+            or any(digest(x) != d for x, d in zip(items, digests)) \
+            or not all(is_shared(x) for x, m in zip(items, must_share) if m):
+        cstats[c, CORRUPT] += 1
+    if seq < row[RECV]:
+        cstats[c, DUPLICATE] += 1
+        return
+    if seq > row[RECV]:
+        cstats[c, GAP] += seq - row[RECV]
+    row[RECV_BYTES] += sum(x.nbytes for x in items if isinstance(x, np.ndarray))
+    row[RECV] = seq + 1
+
+
 def consumer(c, links, counters, cstats, checks, ends, clock, report):
     """Receive from every producer with CONSUMER_THREADS threads; check every message, when
     it arrives and again when it is dropped (each thread keeps its last HOLD)."""
@@ -311,23 +331,6 @@ def consumer(c, links, counters, cstats, checks, ends, clock, report):
     from multiprocessing.connection import wait
     deadline = _start_when_told(clock, len(counters) + c)
     errors = []
-
-    def check(p, msg, mine):
-        sender, t, seq, items, digests, must_share, _ = msg
-        row = counters[p, t, c]
-        n, bad = check_patterns(msg)
-        mine[CHECKS] += n
-        if sender != p or len(items) != len(digests) or bad \
-                or any(digest(x) != d for x, d in zip(items, digests)) \
-                or not all(mp.is_shared(x) for x, m in zip(items, must_share) if m):
-            cstats[c, CORRUPT] += 1
-        if seq < row[RECV]:
-            cstats[c, DUPLICATE] += 1
-            return
-        if seq > row[RECV]:
-            cstats[c, GAP] += seq - row[RECV]
-        row[RECV_BYTES] += sum(x.nbytes for x in items if isinstance(x, np.ndarray))
-        row[RECV] = seq + 1
 
     def thread(k):
         held = collections.deque()           # what it received last, checked when dropped
@@ -357,7 +360,8 @@ def consumer(c, links, counters, cstats, checks, ends, clock, report):
                     cstats[c, ERRORS] += 1
                     errors.append(f"consumer {c} from producer {p}: {e!r}")
                 else:
-                    check(p, msg, checks[len(counters) + c, k])
+                    _check_message(msg, p, c, counters, cstats, checks[len(counters) + c, k],
+                                   mp.is_shared)
                     held.append(msg)
                     del msg
                     _drop_checked(held, checks[len(counters) + c, k], HOLD)
@@ -470,60 +474,74 @@ def _reap(pid, proc, timeout):
     return False
 
 
+def _tally(mine, arrays):
+    """Check ``arrays``' patterns, counted in ``mine``."""
+    n, bad = _count_checks(arrays)
+    mine[CHECKS] += n
+    mine[BAD] += bad
+
+
+def _start_fork_child(ctx, n, arrays, go_r, out_w, parents_fds):
+    """Fork a child that keeps ``arrays`` (``fork_child``): by a fork-context Process if
+    ``n`` is odd, else by ``os.fork``; (pid, the Process or None)."""
+    if n % 2 == 1:
+        proc = ctx.Process(target=fork_child, args=(arrays, go_r, out_w, parents_fds),
+                           name=f"fork-{n}")
+        proc.start()
+        return proc.pid, proc
+    pid = os.fork()
+    if pid == 0:                                   # the child: never returns
+        code = 1
+        try:
+            fork_child(arrays, go_r, out_w, parents_fds)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid, None
+
+
+def _reuse_while_held(mp, seed, n, held, fstats, mine):
+    """Make new arrays of the fork set's classes ``RECYCLE_ROUNDS`` times (the recycler
+    hands out what it may), counting new memory that overlaps ``held`` regions; the last
+    set made (checked by the caller after the child has reported)."""
+    fresh = []
+    for r in range(RECYCLE_ROUNDS):
+        time.sleep(0.02)
+        new = make_fork_set(mp, [pattern_id(seed, "fork", n, "new", r, i)
+                                 for i in range(2 * len(FORK_CLASSES))])
+        fstats[F_REUSED] += sum(1 for d, i, lo, hi in _regions(new) for D, I, LO, HI in held
+                                if (d, i) == (D, I) and lo < HI and LO < hi)
+        _tally(mine, fresh)
+        fresh = new
+    return fresh
+
+
 def fork_event(mp, ctx, n, seed, fstats, mine, notes):
     """One fork event: make arrays, fork (``os.fork`` or a fork-context Process: ``n`` odd or
     even), drop them, make and recycle new ones of the same classes while the child holds
     its copies, then let the child check them."""
-    ids = [pattern_id(seed, "fork", n, i) for i in range(2 * len(FORK_CLASSES))]
-    arrays = make_fork_set(mp, ids)
+    arrays = make_fork_set(mp, [pattern_id(seed, "fork", n, i)
+                                for i in range(2 * len(FORK_CLASSES))])
     held = _regions(arrays)
-    n_, bad = _count_checks(arrays)                 # its last look before it drops them
-    mine[CHECKS] += n_
-    mine[BAD] += bad
+    _tally(mine, arrays)                            # its last look before it drops them
     go_r, go_w = os.pipe()
     out_r, out_w = os.pipe()
-    use_process = n % 2 == 1
-    proc = None
-    if use_process:
-        proc = ctx.Process(target=fork_child, args=(arrays, go_r, out_w, (go_w, out_r)),
-                           name=f"fork-{n}")
-        proc.start()
-        pid = proc.pid
-    else:
-        pid = os.fork()
-        if pid == 0:                               # the child: never returns
-            code = 1
-            try:
-                fork_child(arrays, go_r, out_w, (go_w, out_r))
-                code = 0
-            finally:
-                os._exit(code)
+    pid, proc = _start_fork_child(ctx, n, arrays, go_r, out_w, (go_w, out_r))
     os.close(go_r)
     os.close(out_w)
     fstats[F_EVENTS] += 1
-    fstats[F_PROCESS if use_process else F_OS_FORK] += 1
+    fstats[F_PROCESS if proc is not None else F_OS_FORK] += 1
+    how = "Process" if proc is not None else "os.fork"
     rep = None
     try:
         # At once: the child's copies are its own. (Emptied, not just unnamed: the Process
         # object holds this list as its argument too.)
         arrays.clear()
         gc.collect()
-        fresh = []
-        for r in range(RECYCLE_ROUNDS):             # new arrays of the same sizes, recycled
-            time.sleep(0.02)
-            new = make_fork_set(mp, [pattern_id(seed, "fork", n, "new", r, i)
-                                     for i in range(2 * len(FORK_CLASSES))])
-            fstats[F_REUSED] += sum(1 for d, i, lo, hi in _regions(new) for D, I, LO, HI in held
-                                    if (d, i) == (D, I) and lo < HI and LO < hi)
-            n_, bad = _count_checks(fresh)
-            mine[CHECKS] += n_
-            mine[BAD] += bad
-            fresh = new
+        fresh = _reuse_while_held(mp, seed, n, held, fstats, mine)
         os.write(go_w, b"g")
         rep = _read_report(out_r, FORK_TIMEOUT)
-        n_, bad = _count_checks(fresh)
-        mine[CHECKS] += n_
-        mine[BAD] += bad
+        _tally(mine, fresh)
         del fresh
     finally:
         os.close(go_w)
@@ -531,15 +549,13 @@ def fork_event(mp, ctx, n, seed, fstats, mine, notes):
         clean = _reap(pid, proc, FORK_TIMEOUT)
     if rep is None:
         fstats[F_UNREPORTED] += 1
-        notes.append(f"forker: fork event {n} ({'Process' if use_process else 'os.fork'}): "
-                     "the child never reported")
+        notes.append(f"forker: fork event {n} ({how}): the child never reported")
     else:
         fstats[F_CHILD_CHECKS] += rep["checks"]
         fstats[F_CHILD_BAD] += rep["bad"]
         if rep["bad"]:
-            notes.append(f"forker: fork event {n} ({'Process' if use_process else 'os.fork'}): "
-                         f"{rep['bad']} inherited arrays changed under the child: "
-                         + "; ".join(rep["wrong"]))
+            notes.append(f"forker: fork event {n} ({how}): {rep['bad']} inherited arrays "
+                         "changed under the child: " + "; ".join(rep["wrong"]))
     if not clean:
         fstats[F_CHILD_FAILED] += 1
 
@@ -862,6 +878,30 @@ def problems(v):
     return out
 
 
+def _totals(epochs):
+    """The run's figures: each epoch's summed, and by strategy."""
+    keys = ("messages", "bytes", "corrupted", "lost", "duplicated", "receive_errors",
+            "bad_channel_ends",
+            "lost_to_killed_consumers", "in_transit_at_kill", "truncated_frames",
+            "killed_producers", "killed_consumers", "pattern_checks", "held_corrupted",
+            "fork_events", "fork_os_fork", "fork_process", "fork_child_checks", "fork_corrupted",
+            "fork_unreported", "fork_child_failed", "fork_reused_while_held", "left")
+    totals = {k: sum(v.get(k, 0) for v in epochs) for k in keys}
+    totals["by_strategy"] = {s: {k: sum(v.get(k, 0) for v in epochs if v["strategy"] == s)
+                                 for k in ("messages", "bytes", "killed_producers",
+                                           "killed_consumers", "fork_events", "pattern_checks",
+                                           "corrupted", "fork_corrupted", "left")}
+                             for s in ("file_descriptor", "file_system")}
+    totals["kills_survived"] = totals["killed_producers"] + totals["killed_consumers"]
+    totals["leftovers"] = {k: sum(v.get("leftovers", {}).get(k, 0) for v in epochs)
+                           for k in ("shm_files", "segment_fds", "processes")}
+    totals["daemon_refs_after_workers"] = {
+        k: sum((v.get("daemon_after_workers") or {}).get(k, 0) for v in epochs)
+        for k in ("segments", "in_flight")}
+    totals["hung"] = sum(len(v.get("hung", [])) for v in epochs)
+    return totals
+
+
 def stress(seconds=60.0, seed=None, log=print):
     """Run for about ``seconds``; the report (a dict)."""
     seed = secrets.randbits(32) if seed is None else seed
@@ -897,25 +937,7 @@ def stress(seconds=60.0, seed=None, log=print):
                 os.environ[k] = val
         shutil.rmtree(shm_dir, ignore_errors=True)
     wall = time.monotonic() - t0
-    keys = ("messages", "bytes", "corrupted", "lost", "duplicated", "receive_errors",
-            "bad_channel_ends",
-            "lost_to_killed_consumers", "in_transit_at_kill", "truncated_frames",
-            "killed_producers", "killed_consumers", "pattern_checks", "held_corrupted",
-            "fork_events", "fork_os_fork", "fork_process", "fork_child_checks", "fork_corrupted",
-            "fork_unreported", "fork_child_failed", "fork_reused_while_held", "left")
-    totals = {k: sum(v.get(k, 0) for v in epochs) for k in keys}
-    totals["by_strategy"] = {s: {k: sum(v.get(k, 0) for v in epochs if v["strategy"] == s)
-                                 for k in ("messages", "bytes", "killed_producers",
-                                           "killed_consumers", "fork_events", "pattern_checks",
-                                           "corrupted", "fork_corrupted", "left")}
-                             for s in ("file_descriptor", "file_system")}
-    totals["kills_survived"] = totals["killed_producers"] + totals["killed_consumers"]
-    totals["leftovers"] = {k: sum(v.get("leftovers", {}).get(k, 0) for v in epochs)
-                           for k in ("shm_files", "segment_fds", "processes")}
-    totals["daemon_refs_after_workers"] = {
-        k: sum((v.get("daemon_after_workers") or {}).get(k, 0) for v in epochs)
-        for k in ("segments", "in_flight")}
-    totals["hung"] = sum(len(v.get("hung", [])) for v in epochs)
+    totals = _totals(epochs)
     bad = [f"epoch {i + 1}: {p}" for i, v in enumerate(epochs) for p in v["problems"]]
     return dict(seconds=seconds, wall_s=round(wall, 1), seed=seed, cpus=os.cpu_count(),
                 loadavg=os.getloadavg(),

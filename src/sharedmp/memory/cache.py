@@ -124,12 +124,21 @@ def expire(cutoff: float | None) -> bool:
     return needed
 
 
+# Run by ``empty`` once every cache has let go (manager.py's: wait for the daemon to act)
+_on_empty: list[Callable[[], None]] = []
+
+
+def on_empty(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at the end of every ``empty()``."""
+    _on_empty.append(fn)
+
+
 def empty() -> None:
     """Let every cached segment of this process go now (``mp.empty_cache()``): under
     file_system, the daemon has unlinked those no other process holds when it returns."""
     expire(None)
-    from . import manager           # (here: manager imports this module)
-    manager.sync()
+    for fn in _on_empty:
+        fn()
     _publish()
 
 

@@ -542,6 +542,9 @@ def sync() -> None:
         _ask(_daemon[1], b"W -\n", "a wait")  # type: ignore[index]  # (a client: it is set)
 
 
+cache.on_empty(sync)
+
+
 def find_daemons():
     """[(socket path, alive)] of this user's daemons in the runtime directory (for doctor).
 
