@@ -636,17 +636,20 @@ def _asleep_in_the_kernel(pid):
         return True
 
 
-def _killed_in(kind, target):
+def _killed_in(kind, target, sent=False):
     """A fresh ``kind`` queue and a fork child running ``target(q, started)`` on it, SIGKILLed
-    once it blocks there (after ``started``, nothing else puts it to sleep); returns the
-    queue. (Fork only: how the child started plays no part in where it is killed.)"""
+    once it blocks there (after ``started``, nothing else puts it to sleep) and, if ``sent``,
+    once something reached the queue; returns the queue. (Fork only: how the child started
+    plays no part in where it is killed.)"""
     ctx = mp.get_context("fork")
     q, started = getattr(ctx, kind)(), ctx.Event()
     p = start_process(ctx, target, q, started)
     try:
         assert started.wait(TIMEOUT)
-        assert eventually(lambda: _asleep_in_the_kernel(p.pid), TIMEOUT, collect=False), \
-            "the child never blocked in the queue"
+        # (a Queue's put() may first block on its flight window, before its feeder thread
+        # has sent anything: not yet the blocked put() this is about)
+        assert eventually(lambda: _asleep_in_the_kernel(p.pid) and not (sent and q.empty()),
+                          TIMEOUT, collect=False), "the child never blocked in the queue"
         os.kill(p.pid, signal.SIGKILL)
         p.join(TIMEOUT)
         assert p.exitcode == -signal.SIGKILL
@@ -685,7 +688,7 @@ def test_consumer_killed_in_get_does_not_block_the_others(kind):
 
 @pytest.mark.parametrize("kind", ["Queue", "SimpleQueue"])
 def test_producer_killed_in_a_blocked_put_does_not_block_the_others(kind):
-    q = _killed_in(kind, cw.put_until_blocked)       # the socket fills up; its put() blocks
+    q = _killed_in(kind, cw.put_until_blocked, sent=True)   # the socket fills; put() blocks
 
     def drain_then_put():
         got = []
