@@ -131,7 +131,7 @@ def test_empty_cache_gives_every_segment_back_before_it_returns(strategy, method
     returns with every segment gone (under file_system: the daemon has unlinked them)."""
     _, d = strategy
     ctx = mp.get_context(method)
-    for _ in range(3):
+    for _ in range(2):
         arrays = _fill(1)
         q, go = ctx.Queue(), ctx.Event()
         go.set()

@@ -36,6 +36,7 @@ def test_short_stress_run(tmp_path):
     assert "corrupted        0" in proc.stdout and "result           ok" in proc.stdout
 
 
+@pytest.mark.slow       # (fork correctness on every Python: test_fork_holds.py)
 @pytest.mark.timeout(4 + 2 * stress.GRACE + 120)
 def test_fork_events_and_pattern_checks(tmp_path):
     """A few seconds: fork children keep arrays their parent dropped and made again (both

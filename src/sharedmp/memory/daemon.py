@@ -629,7 +629,8 @@ class Daemon:
 
     def run(self):
         while True:
-            timeout = 0.005 if self.candidates or self.free or self.waiters else 0.5
+            # (a waiter is answered after the next pass: make it now)
+            timeout = 0 if self.waiters else 0.005 if self.candidates or self.free else 0.5
             for key, _ in self.sel.select(timeout):
                 if key.fileobj is self.listener:
                     self.accept()
