@@ -175,3 +175,22 @@ def test_child_with_low_fd_limit_keeps_10000_arrays():
     # stdin/out/err, the pipe, a few of the interpreter's own, two per segment
     assert r["fds"] <= 12 + 2 * r["segments"], f"child holds {r['fds']} fds for 10,000 arrays"
     print(f"child fd count with 10,000 arrays kept: {r['fds']} ({r['segments']} segments)")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_the_copy_of_a_plain_argument_goes_once_the_child_has_it(sharing_strategy, method):
+    """A plain array over the by-value size, passed to a spawn or forkserver Process, is
+    copied into shared memory for the launch; once start() has returned the child has its
+    fd or name, so the copy is not kept with the Process object (the standard library's
+    start() drops the arguments themselves)."""
+    ctx = mp.get_context(method)
+    before = segment_memfds()
+    plain = np.arange(1 << 18, dtype=np.float64)         # 2 MiB: a segment of its own
+    p = ctx.Process(target=w.fill, args=([plain], 1.0), daemon=True)
+    p.start()
+    assert join_or_kill(p) == 0
+    del plain
+    gc.collect()
+    mp.empty_cache()
+    assert segment.live_segments() == [] and segment_memfds() == before
+    assert p.exitcode == 0             # (the Process object is alive, and holds no copy)

@@ -49,6 +49,26 @@ def start_method_of(process: Any) -> str | None:
     return getattr(process, "_start_method", None)
 
 
+# A copy made while a Process's arguments are pickled (spawn, forkserver) must live until
+# the launch has handed its fd or name to the child: the Popen keeps it (``keep_until_launched``,
+# reductions/ndarray.py). Once ``start()`` has returned the child has them: sharedmp's
+# Process classes let go then (``launched``); a standard Process keeps it with its Popen.
+_LAUNCH_KEEP = "_sharedmp_keep"
+
+
+def keep_until_launched(popen: Any, obj: object) -> None:
+    """Keep ``obj`` alive with the Popen being launched."""
+    popen.__dict__.setdefault(_LAUNCH_KEEP, []).append(obj)
+
+
+def launched(process: Any) -> None:
+    """(after ``start()``) Let go of what ``keep_until_launched`` kept for ``process``:
+    ``BaseProcess._popen`` (3.10-3.14), the Popen ``start()`` made."""
+    popen = getattr(process, "_popen", None)
+    if popen is not None:
+        popen.__dict__.pop(_LAUNCH_KEEP, None)
+
+
 def target_of(process: Any) -> Any:
     """The target a Process was made with (None if none): ``BaseProcess._target``, set by
     ``__init__`` (3.10-3.14)."""

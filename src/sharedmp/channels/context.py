@@ -48,6 +48,7 @@ class _CarryStrategy(_compat.ChildStart):
             except ManagerError:
                 pass                  # the child says so if it ever needs the daemon
         super().start()
+        _compat.launched(self)        # (the copies made for its arguments: the child has them)
 
     def __getstate__(self) -> dict[str, Any]:
         # (spawn, forkserver) The daemon first: the arguments may name segments, which the

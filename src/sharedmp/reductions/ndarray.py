@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..memory.views import copy_to_shared, extent, mapping_of
-from .. import wire
+from .. import _compat, wire
 from ..errors import ProtocolError, SegmentError
 from ..memory import arena, segment
 from ..strategy import get_sharing_strategy
@@ -62,11 +62,11 @@ def _reduced_now(seg, mapping):
     """On a standard channel: the fd is dup'ed (or the name sent) now, while the copy lives.
 
     While spawning, the fd is only passed at exec, after pickling: the Popen keeps the copy
-    (as long as the Process keeps its arguments)."""
+    until the launch is done (sharedmp's Process classes; a standard one: with its Popen)."""
     rv = reduce_segment(seg)
     popen = get_spawning_popen()
     if popen is not None:
-        popen.__dict__.setdefault("_sharedmp_keep", []).append(mapping)
+        _compat.keep_until_launched(popen, mapping)
     return _Reduced(rv)
 
 
