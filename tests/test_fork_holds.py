@@ -78,8 +78,12 @@ def _drop_and_reuse(d, held, new):
     new.update(_fill(-100000))
 
 
-def test_a_raw_fork_child_keeps_its_bytes_when_the_parent_reuses(strategy):
+@pytest.mark.parametrize("per_record", [None, 1], ids=["paths in one record", "one a record"])
+def test_a_raw_fork_child_keeps_its_bytes_when_the_parent_reuses(strategy, per_record,
+                                                                 monkeypatch):
     _, d = strategy
+    if per_record:          # (a program mapping thousands of segments: several records)
+        monkeypatch.setattr(manager, "_PATHS_PER_RECORD", per_record)
     held, new = _fill(1), {}
     r, w = os.pipe()
 

@@ -123,13 +123,14 @@ parent's ``P`` of a segment the child still maps could be read first, and the se
 pooled and handed out again under the child. So the parent holds them for the child across
 the fork (``manager.before_fork``, a ``before`` fork hook of ``segment.py``, for sharedmp's
 contexts, ``os.fork()`` and anything else that forks through Python): just before the fork
-it sends a token (``T <id> <path>\0...``: every named segment it maps) and keeps the write
-end; the child inherits a copy, connects, writes its ``H`` records and only then closes its
-copy; the parent closes its own as the fork returns. The pipe ends when both are closed, or
-when the child dies. The daemon handles a token's end and then reads every client before
-it decides what is unused, and the child's connection was accepted before it wrote (the
-handshake), so its ``H`` records are read by then: no segment mapped at a fork is ever
-unused, parked-free or pooled while a child of that fork may still map it.
+it sends a token (``T <id>``, then ``t <id> <path>\0...`` naming every named segment it
+maps, 1,000 a record) and keeps the write end; the child inherits a copy, connects, writes
+its ``H`` records and only then closes its copy; the parent closes its own as the fork
+returns. The pipe ends when both are closed, or when the child dies. The daemon handles a
+token's end and then reads every client before it decides what is unused, and the child's
+connection was accepted before it wrote (the handshake), so its ``H`` records are read by
+then: no segment mapped at a fork is ever unused, parked-free or pooled while a child of
+that fork may still map it.
 
 Lifetime. The daemon raises its soft ``RLIMIT_NOFILE`` to the hard limit as it starts. It
 waits ``STARTUP`` s for its first client. Once every client has gone it waits up to

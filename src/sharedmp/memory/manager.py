@@ -596,6 +596,7 @@ def remove_stale(path):
 # closes it once its own ``H`` records are sent (or dies); the parent closes its copy as
 # soon as the fork returns. See daemon.py, "Fork".
 _fork_tokens: "dict[int, int]" = {}     # thread id -> write end of its fork's token
+_PATHS_PER_RECORD = 1000                # (a record is a line: the daemon reads 1 MiB at most)
 
 
 def before_fork(paths: "list[str]") -> None:
@@ -608,7 +609,10 @@ def before_fork(paths: "list[str]") -> None:
     except OSError:
         return
     try:
-        _post(b"T", b"%d " % next(_token_ids) + b"\0".join(map(os.fsencode, paths)), fd=r)
+        ident = b"%d " % next(_token_ids)
+        _post(b"T", ident, fd=r)
+        for i in range(0, len(paths), _PATHS_PER_RECORD):
+            _post(b"t", ident + b"\0".join(map(os.fsencode, paths[i:i + _PATHS_PER_RECORD])))
     except (ManagerError, OSError):
         os.close(w)
         return
