@@ -253,3 +253,57 @@ def test_a_daemon_out_of_fds_refuses_new_clients_clearly_and_serves_the_others()
     hello = out["hello while full"]
     assert hello.startswith("ManagerError") and "ulimit -n" in hello and "(48)" in hello, hello
     assert out["received"] and out["served after"] == "ok" and out["daemon"], out
+
+
+FULL_TMPFS = """
+import gc, json, os, sys, time
+import sharedmp as mp
+mp.set_sharing_strategy("file_system")
+shm = os.environ["SHAREDMP_SHM_DIR"]
+
+def pooled():
+    return sum(len(os.listdir(os.path.join(shm, d))) for d in os.listdir(shm)
+               if d.startswith(".sharedmp-pool-"))
+
+out = []
+for _ in range(5):
+    a = [mp.zeros(1 << 19) for _ in range(2)]          # 2 x 4 MiB of the 12 MiB tmpfs
+    del a
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while pooled() < 2 and time.monotonic() < deadline:   # the daemon pools them
+        time.sleep(0.01)
+    try:
+        b = mp.zeros(1 << 20)          # 8 MiB: no pooled segment fits, and only 4 MiB is free
+        b[:] = 1
+        out.append("ok")
+    except Exception as e:             # noqa: BLE001 (reported)
+        out.append(f"{type(e).__name__}: {e}")
+    b = None
+    mp.empty_cache()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_full_shm_directory_is_retried_once_the_pool_is_given_back(tmp_path):
+    """The segments kept for reuse fill a 12 MiB tmpfs; a segment that does not fit is made
+    once they are given back: under file_system the retry waits for the daemon to unlink
+    them (issue 40: it retried at once, and raised OutOfSharedMemory while the memory was
+    about to come back). The tmpfs is mounted in a user and mount namespace of its own."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1)")
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(FULL_TMPFS)
+    env = dict(os.environ, SHAREDMP_SHM_DIR=str(mnt))
+    env.pop("SHAREDMP_MANAGER", None)
+    proc = subprocess.run(
+        [unshare, "-rm", "sh", "-c", 'mount -t tmpfs -o size=12m tmpfs "$0" || exit 77; '
+         'exec "$1" "$2"', str(mnt), sys.executable, str(script)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    if proc.returncode == 77 or "unshare failed" in proc.stderr:
+        pytest.skip(f"cannot mount a tmpfs in a namespace of its own here: {proc.stderr[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == ["ok"] * 5
