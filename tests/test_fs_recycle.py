@@ -324,13 +324,15 @@ def test_the_pool_is_bounded(fs, monkeypatch):
 
 
 def test_the_pool_is_released_when_idle_and_by_empty_cache(fs, monkeypatch):
-    monkeypatch.setattr(cache, "_idle", 0.2)
     a = [mp.full(BIG, i, np.uint8) for i in range(3)]
     del a
     gc.collect()
     assert recycle.kept()[0] == 3
     assert eventually(lambda: len(pooled(fs)) == 3)
     assert "pool" in cache.stats()["cache"] and cache.stats()["cache"]["pool"][0] == 3 * BIG
+    # (only now a short idle time: with it from the start, the cache thread could let the
+    # pool go before the stats above were read)
+    monkeypatch.setattr(cache, "_idle", 0.2)
     assert eventually(lambda: recycle.kept()[0] == 0, 5)      # idle: let go by the cache thread
     assert eventually(lambda: not pooled(fs) and not listed(fs))
     b = [mp.full(BIG, i, np.uint8) for i in range(3)]
