@@ -3,6 +3,7 @@
 Real processes and real sockets. Every wait is bounded (poll/get with a timeout,
 join_or_kill), so a broken channel fails a test instead of hanging the suite.
 """
+import gc
 import multiprocessing
 import multiprocessing.connection
 import pickle
@@ -367,3 +368,43 @@ def test_socket_buffer_too_small_for_a_record_is_refused_up_front(monkeypatch):
     monkeypatch.setattr(fdpass, "RECORD", 1 << 30)
     with pytest.raises(OSError, match="wmem_max"):
         mp.Pipe()
+
+
+def test_a_default_socket_timeout_does_not_reach_a_connection():
+    """CPython's TestTimeouts: after socket.setdefaulttimeout(), the standard library's
+    connections still block (they are raw fds); so do sharedmp's, socket objects though
+    they are. Before: recv() raised TimeoutError after the default timeout."""
+    import socket
+    socket.setdefaulttimeout(0.1)
+    try:
+        a, b = mp.Pipe()
+        q = mp.Queue()
+    finally:
+        socket.setdefaulttimeout(None)
+    timer = threading.Timer(0.4, lambda: (a.send("late"), q.put("late too")))
+    timer.start()
+    try:
+        assert b.recv() == "late"
+        assert q.get() == "late too"
+    finally:
+        timer.join(TIMEOUT)
+        for c in (a, b):
+            c.close()
+        q.close()
+
+
+def test_channels_dropped_without_close_close_silently():
+    """The standard library's Pipe and Queue, dropped without close(), say nothing; a
+    ResourceWarning (an error under -W error or pytest's filterwarnings = error) would."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a, b = mp.Pipe()
+        q, sq = mp.Queue(), mp.SimpleQueue()
+        q.put(1)
+        assert q.get(timeout=TIMEOUT) == 1
+        sq.put(2)
+        assert sq.get() == 2
+        del a, b, q, sq
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []

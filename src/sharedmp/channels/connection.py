@@ -78,6 +78,9 @@ class Connection:
     def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True) -> None:
         if not readable and not writable:
             raise ValueError("at least one of `readable` and `writable` must be True")
+        # Blocking, whatever socket.setdefaulttimeout() says: the standard library's
+        # connections are raw fds, which no default timeout reaches.
+        sock.settimeout(None)
         self._sock: socket.socket | None = sock
         self._poller: select.poll | None = None
         self._tokens = manager.Tokens()     # of the named segments its messages carry
@@ -119,6 +122,14 @@ class Connection:
             sock.close()
             if self._window is not None:
                 self._window.close()
+
+    def __del__(self) -> None:
+        # Dropped without close(): closed silently, as the standard library's Connection
+        # (the socket object alone would warn: ResourceWarning, an error under -W error).
+        try:
+            self.close()
+        except Exception:           # (at interpreter exit, modules may be gone)
+            pass
 
     def _flow(self) -> flow.Window:
         """This end's window (channels/flow.py), made on the first send."""
