@@ -10,7 +10,7 @@ later (spawn, forkserver started afterwards, fork) inherit it; sharedmp's own
 """
 
 from . import settings
-from .memory.segment import HAVE_MEMFD
+from .host import HAVE_MEMFD
 
 ENV = settings.SHARING_STRATEGY
 _ALL = ("file_descriptor", "file_system") if HAVE_MEMFD else ("file_system",)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 #
 #   record  header <2sBBIQ: magic b"SM", version, flags, fd count, payload length (16
 #           bytes); then the payload when it fits in RECORD bytes; with the fds (SCM_RIGHTS)
-#   flags   low 5 bits (KIND): what the payload is (0 a pickle; connection.py names others)
+#   flags   low 5 bits (KIND): what the payload is (0 a pickle; wire.py names others)
 #           FLIGHT_TOKEN: the record carries a flight token (flow.py) after the message's fds
 #             (or their socket): the receiver closes it once it has read the record
 #           PAYLOAD_IN_MEMFD: the payload lies in a memfd sealed against shrinking, the

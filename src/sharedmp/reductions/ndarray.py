@@ -3,7 +3,7 @@
 Two forms: pickled (``reduce_ndarray``/``rebuild_ndarray``), for arrays anywhere in a
 message and on any channel; and, for a message of one array alone on a sharedmp channel,
 a fixed binary header that skips pickle (``encode_array``/``decode_array``, frame flag
-``FLAG_ARRAY`` in ``channels/connection.py``): a stream of small arrays would otherwise
+``FLAG_ARRAY`` in ``wire.py``): a stream of small arrays would otherwise
 spend most of its time in pickle. A small array not in shared memory travels by value
 (``STD_BY_VALUE_MAX`` below says when): pickled as NumPy pickles it, or as that header
 followed by its bytes, with no fd.
