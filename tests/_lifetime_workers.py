@@ -203,12 +203,16 @@ class Child:
 
     def ask(self, *cmd, timeout=WAIT):
         self.conn.send(cmd)
+        return self.answer(cmd[0], timeout)
+
+    def answer(self, what, timeout=WAIT):
+        """The child's reply to the command ``what`` sent last (bounded; raises if it failed)."""
         if not self.conn.poll(timeout):
             raise TimeoutError(f"child {self.cid} ({self.method}, pid {self.pid}) did not "
-                               f"answer {cmd[0]!r} within {timeout} s")
+                               f"answer {what!r} within {timeout} s")
         status, reply = self.conn.recv()
         if status != "ok":
-            raise RuntimeError(f"child {self.cid} ({self.method}) failed {cmd[0]!r}:\n{reply}")
+            raise RuntimeError(f"child {self.cid} ({self.method}) failed {what!r}:\n{reply}")
         return reply
 
     def alive(self):
@@ -332,13 +336,7 @@ class Driver:
         child = self.children[cid]
         child.conn.send(("recv", channel, ids))
         self._put(child, channel, ids)
-        if not child.conn.poll(WAIT):
-            raise TimeoutError(f"child {cid} ({child.method}) did not receive {ids} on the "
-                               f"{channel} within {WAIT} s")
-        status, reply = child.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"child {cid} ({child.method}) failed to receive:\n{reply}")
-        return {"got": reply}
+        return {"got": child.answer(f"recv {ids} on the {channel}")}
 
     def _put(self, child, channel, ids):
         """Send the arrays ``ids`` to ``child`` on ``channel``, keeping no reference."""

@@ -12,17 +12,15 @@ waits for the daemon to pool them, and allocates as many again) before the child
 """
 import gc
 import os
-import tempfile
-import shutil
 
 import numpy as np
 import pytest
 
 import sharedmp as mp
-from sharedmp.memory import cache, manager, recycle, segment
+from sharedmp.memory import manager, recycle
 
 from conftest import TIMEOUT, eventually, fork_and_wait, join_or_kill
-from test_fs_recycle import listed, pooled
+from test_fs_recycle import fs, listed, pooled  # noqa: F401 (fs: a fixture)
 
 # (name, elements of float64, how many): by value, carved from arenas (more than one
 # arena's worth, so that a full arena is let go and parked too), a segment of its own each
@@ -31,24 +29,14 @@ POOL_WAIT = 0.5         # how long the parent waits for the daemon to pool what 
 
 
 @pytest.fixture(params=["file_descriptor", "file_system"])
-def strategy(request, monkeypatch):
-    """The strategy, and under file_system a shm directory of this test's own (checked
-    empty, pool directories included, once everything is let go)."""
-    d = None
+def strategy(request):
+    """The strategy, and under file_system the shm directory of this test's own
+    (test_fs_recycle's ``fs``: checked empty once everything is let go)."""
     if request.param == "file_system":
-        base = segment.shm_dir()
-        d = tempfile.mkdtemp(prefix="forkholds-", dir=base if os.path.isdir(base) else None)
-        monkeypatch.setenv(segment.SHM_DIR_ENV, d)
-        monkeypatch.setattr(cache, "_idle", 60.0)     # the pool keeps what it gets
+        return request.param, request.getfixturevalue("fs")
     mp.set_sharing_strategy(request.param)
     recycle.clear()
-    yield request.param, d
-    if d is not None:
-        def empty():
-            mp.empty_cache()
-            return not listed(d) and not pooled(d)
-        assert eventually(empty), (listed(d), pooled(d))
-        shutil.rmtree(d, ignore_errors=True)
+    return request.param, None
 
 
 def _fill(tag0):

@@ -45,8 +45,11 @@ _FRACTION_OF_AVAILABLE = 64
 def window_bytes() -> int:
     """The window of a connection made now: $SHAREDMP_WINDOW_BYTES, else the default."""
     n = settings.get(ENV)
-    if n is not None:
-        return n  # type: ignore[no-any-return]
+    return _default_window() if n is None else n  # type: ignore[no-any-return]
+
+
+def _default_window() -> int:
+    """Without the setting: a 64th of the memory available, within 1-8 MiB."""
     # (read at most once a second: a Pool starts several connections at once)
     avail = host.available_memory_cached(1.0)
     if avail is None:                 # (no /proc/meminfo)
@@ -119,9 +122,8 @@ class Window:
         return self.flight + self._uncounted + nbytes <= self.limit
 
     def _size(self) -> None:
-        # (a value set at creation is used as read then: read again, a value changed since
-        # could raise here, in a queue's feeder thread)
-        self.limit = window_bytes() if self._setting is None else self._setting
+        # (the setting as read at creation: never read again here, in a queue's feeder thread)
+        self.limit = _default_window() if self._setting is None else self._setting
         self.step = max(1, self.limit // 8)
 
     def wait(self) -> None:
