@@ -216,8 +216,11 @@ def _wait(event, what):
 
 # -- process targets ---------------------------------------------------------------------
 
-def produce(conn, q, go, n_extra=0):
-    """Send [a, b, c] (a and b in one block), then report lease counts until all are released."""
+def produce(conn, q, go, n_extra=0, counted=None):
+    """Send [a, b, c] (a and b in one block), then report lease counts until all are released.
+
+    counted (an Event) is set once the leases sent are counted: a test that kills the
+    receiver waits for it, or the receiver's death could release [a, b, c] first."""
     def run():
         driver = install()
         a = DevArray(5 * MiB + 256, 1024)
@@ -228,6 +231,8 @@ def produce(conn, q, go, n_extra=0):
             q.put(DevArray(20 * MiB + 64 * i, 64))
         server = ipc.exporter().server
         sent = server.outstanding()
+        if counted is not None:
+            counted.set()
         _wait(go, "get go")
         # the n_extra arrays are never received in the tests: they stay pending
         released = wait_until(lambda: server.outstanding() == n_extra)

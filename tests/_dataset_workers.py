@@ -161,8 +161,10 @@ def hold_dataset(conn, dataset):
             "in_segment": segment.containing(address, f.nbytes)[0] is not None,
             "pss": after["Pss"] - before["Pss"],
             "private_dirty": after["Private_Dirty"] - before["Private_Dirty"]}))
-        if not conn.poll(TIMEOUT):
-            raise TimeoutError("the parent did not let go")
-        conn.recv()
-        return None
+        while True:                   # "pss": the growth now, once every reader holds it
+            if not conn.poll(TIMEOUT):
+                raise TimeoutError("the parent did not let go")
+            if conn.recv() != "pss":
+                return None
+            conn.send(smaps()["Pss"] - before["Pss"])
     _guard(conn, run)

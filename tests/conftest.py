@@ -65,11 +65,11 @@ def segment_fds():
     return arena.stray_segment_fds()
 
 
-def run_bounded(argv, timeout=TIMEOUT, env=None, what=None):
+def run_bounded(argv, timeout=TIMEOUT, env=None, what=None, cwd=None):
     """Run ``argv`` in its own session: (returncode, stdout, stderr); on a timeout its whole
     process group is killed and the test fails."""
     proc = subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, cwd=cwd)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -239,7 +239,11 @@ def pytest_configure(config):
         multiprocessing.set_start_method(method, force=True)
     # Named segments of this run (and of the processes it starts) go to a tmpfs directory
     # of its own: the leak check must not count files of another run on the same machine.
-    if not os.environ.get(segment.SHM_DIR_ENV) and os.path.isdir("/dev/shm"):
+    # (each pytest-xdist worker too: they inherit the controller's environment)
+    inherited = os.environ.get(segment.SHM_DIR_ENV)
+    mine = not inherited or (os.environ.get("PYTEST_XDIST_WORKER")
+                             and os.path.basename(inherited).startswith("sharedmp-tests-"))
+    if mine and os.path.isdir("/dev/shm"):
         config._sharedmp_shm_dir = tempfile.mkdtemp(prefix="sharedmp-tests-", dir="/dev/shm")
         os.environ[segment.SHM_DIR_ENV] = config._sharedmp_shm_dir
 

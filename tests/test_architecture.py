@@ -116,6 +116,58 @@ def test_the_import_graph_has_no_cycle():
     assert not cycles, f"import cycles (module-level or lazy): {cycles}"
 
 
+def _unit(module):
+    """A folder of the package (``sharedmp.memory.segment`` -> ``memory``), or a module at
+    its top (``sharedmp.wire``); the package's ``__init__`` is ``sharedmp``."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "sharedmp"
+    return parts[1] if (PACKAGE / parts[1]).is_dir() else module
+
+
+def folder_graph(graph=None):
+    units = {}
+    for module, targets in (graph or import_graph()).items():
+        edges = units.setdefault(_unit(module), set())
+        edges.update(_unit(t) for t in targets if _unit(t) != _unit(module))
+    return units
+
+
+# Bottom to top: each may import what is on its own line (no cycle: below) or lower.
+LAYERS = [
+    {"sharedmp._compat", "sharedmp.errors", "sharedmp.fds", "sharedmp.forks", "sharedmp.host",
+     "sharedmp.settings"},
+    {"sharedmp.strategy"},
+    {"memory"},                                   # segments, arenas, the daemon
+    {"sharedmp.wire"},                            # the message format
+    {"cuda"},
+    {"reductions"},                               # what a value becomes on the wire
+    {"channels"},                                 # fds over sockets, connections, queues
+    {"processes"},                                # contexts, pdeath, spawn()
+    {"sharedmp.arrays", "sharedmp.datasets", "sharedmp.registry", "sharedmp.joblib"},
+    {"sharedmp"},                                 # the public API
+    {"hogwild", "sharedmp.training", "sharedmp.distributed", "cli", "sharedmp.__main__"},
+]
+
+
+def test_no_cycle_between_folders():
+    cycles = _cycles(folder_graph())
+    assert not cycles, f"folders (or top modules) that import each other, maybe through others: {cycles}"
+    # (seen: a cycle through two folders of otherwise acyclic modules)
+    assert _cycles(folder_graph({"sharedmp.channels.context": {"sharedmp.processes.pdeath"},
+                                 "sharedmp.processes.spawn": {"sharedmp.channels.context"},
+                                 "sharedmp.processes.pdeath": set()})) == [["channels", "processes"]]
+
+
+def test_every_import_goes_down_the_layers():
+    graph = folder_graph()
+    layer = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    assert set(graph) == set(layer), f"units not in LAYERS (or gone): {set(graph) ^ set(layer)}"
+    up = sorted(f"{u} -> {t}" for u, targets in graph.items() for t in targets
+                if layer[t] > layer[u])
+    assert not up, f"imports up a layer: {up}"
+
+
 def _is_application(module):
     return any(module == a or module.startswith(a + ".") for a in APPLICATION)
 

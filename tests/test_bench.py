@@ -16,7 +16,10 @@ from sharedmp.cli.bench import cuda, datasets, driver, plan, start, worker
 from sharedmp.cli.bench import report as bench_report
 from sharedmp.memory import leftovers
 
-TIMEOUT = 180
+TIMEOUT = 300
+# The module's tiny run (30 s alone) shares the CPUs with the other pytest worker (./dev test
+# -n 2): the first test's setup may take longer than the 120 s default.
+pytestmark = pytest.mark.timeout(TIMEOUT + 60)
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_JOBLIB = importlib.util.find_spec("joblib") is not None
 HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None

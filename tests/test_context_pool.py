@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import sharedmp as mp
-from sharedmp.channels import connection, context, queues
+from sharedmp.channels import connection, queues
+from sharedmp.processes import context
 
 import _channel_workers as cw
 import _process_workers as w
@@ -46,7 +47,7 @@ def test_context_factories_are_sharedmp(start_method):
     assert not r.writable and not w.readable
     assert issubclass(ctx.Process, context._CarryStrategy)
     assert issubclass(ctx.Process, type(std.Process()))  # the standard Process of that method
-    assert ctx.Process.__module__ == "sharedmp.channels.context"
+    assert ctx.Process.__module__ == "sharedmp.processes.context"
     assert type(ctx).Pool is context._Channels.Pool
     # the standard parts are the standard ones
     assert type(ctx.Lock()) is type(std.Lock())
@@ -117,7 +118,7 @@ def test_every_multiprocessing_name_is_exported():
         assert getattr(mp, name) is not getattr(multiprocessing, name), name
     for name in ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool", "Process",
                  "get_context"):
-        assert getattr(mp, name).__module__ == "sharedmp.channels.context"
+        assert getattr(mp, name).__module__ == "sharedmp.processes.context"
 
 
 # -- channels in children ------------------------------------------------------------------

@@ -516,13 +516,15 @@ def test_idle_received_blocks_are_bounded_and_let_go_when_idle(monkeypatch):
 
 def test_a_receiver_killed_while_holding_frees_the_senders_memory():
     ctx = mp.get_context("spawn")
-    q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
-    prod, pconn = _start(ctx, cw.produce, q, go, 50)
+    q, go, done, counted = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    prod, pconn = _start(ctx, cw.produce, q, go, 50, counted)
     cons, cconn = _start(ctx, cw.consume, q, done, True)
     try:
         assert cconn.poll(TIMEOUT)
         status, info = cconn.recv()
         assert status == "holding" and info["opens"] == 2
+        # (the sender counts its leases before the receiver dies: 3 held, 50 pending)
+        assert counted.wait(TIMEOUT)
         os.kill(cons.pid, signal.SIGKILL)
         join_or_kill(cons)
         go.set()

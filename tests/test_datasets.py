@@ -763,6 +763,11 @@ def _hold(ctx, dataset, k):
     started = [w.start(ctx, dw.hold_dataset, dataset, duplex=True) for _ in range(k)]
     reports = [w.recv(p, conn) for p, conn in started]
     assert all(r[0] == "holding" for r in reports), reports
+    # Each one's Pss once all hold it: a share among the processes that touched it (what a
+    # reader says as it starts depends on how many others had touched it by then)
+    for (p, conn), (_, report) in zip(started, reports):
+        conn.send("pss")
+        report["pss"] = w.recv(p, conn)
     return [r[1] for r in reports], _shm_bytes(), started
 
 

@@ -233,3 +233,68 @@ def test_every_environment_variable_is_documented():
     text = REFERENCE.read_text()
     missing = sorted(v for v in read if f"| `{v}` |" not in text)
     assert not missing, f"docs/reference.md's table lacks {missing}"
+
+
+# -- one home for each fact: docs/reference.md states the defaults and limits, quoted from
+#    the code's constants; the README and docs/API.md link to it -----------------------------
+
+def _ordinal(n):
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _size(n):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return str(n)
+
+
+def _facts():
+    from sharedmp import wire
+    from sharedmp.channels import flow
+    from sharedmp.reductions import ndarray
+    return [
+        f"a {_ordinal(flow._FRACTION_OF_AVAILABLE)} of the memory available, at most "
+        f"{_size(flow.DEFAULT)} and at least {_size(flow._MIN)}",
+        f"stay within {_size(wire.INBAND_MAX)} (`wire.INBAND_MAX`",
+        f"up to {_size(ndarray.STD_BY_VALUE_MAX)} an array (`STD_BY_VALUE_MAX`",
+    ]
+
+
+def test_the_reference_states_the_limits_the_code_has():
+    text = " ".join((ROOT / "docs" / "reference.md").read_text().split())
+    missing = [fact for fact in _facts() if fact not in text]
+    assert not missing, f"docs/reference.md does not say (the code's constants): {missing}"
+
+
+def test_the_reference_gives_each_settings_default():
+    from sharedmp import settings
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]*) \|", (ROOT / "docs" / "reference.md").read_text(),
+                           re.M))
+    wrong = {}
+    for name, var in settings.VARIABLES.items():
+        default = var.default
+        if isinstance(default, bool) or default is None:
+            continue                                  # (stated in words)
+        if isinstance(default, float) and default.is_integer():
+            expected = f"`{int(default)}`"
+        elif isinstance(default, int) and default >= 1 << 20:
+            expected = _size(default)
+        else:
+            expected = f"`{default}`"
+        if name not in rows or expected not in rows[name]:
+            wrong[name] = (rows.get(name), expected)
+    assert not wrong, f"docs/reference.md's table of variables against settings.py: {wrong}"
+
+
+def test_the_limits_are_stated_only_in_the_reference():
+    # The README and docs/API.md link to it instead (a number said twice drifts apart).
+    from sharedmp import wire
+    from sharedmp.channels import flow
+    from sharedmp.reductions import ndarray
+    numbers = [_size(wire.INBAND_MAX), _size(ndarray.STD_BY_VALUE_MAX),
+               f"a {_ordinal(flow._FRACTION_OF_AVAILABLE)} of the memory"]
+    for doc in (ROOT / "README.md", ROOT / "docs" / "API.md"):
+        text = " ".join(doc.read_text().split())
+        said = [n for n in numbers if n in text]
+        assert not said, f"{doc.name} states {said}: link to docs/reference.md instead"

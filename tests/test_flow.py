@@ -170,13 +170,13 @@ def test_cpython_ignore_eintr_passes_under_forkserver(tmp_path):
     message larger than the window). Its forkserver child used to exit before the test
     signalled it."""
     pytest.importorskip("test._test_multiprocessing")
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts",
-                          "cpython_channel_tests.py")
+    script = os.path.join(os.path.dirname(__file__), "_cpython_suite.py")
     env = {k: v for k, v in os.environ.items() if k != flow.ENV}
     rc, out, err = run_bounded([sys.executable, script, "--start-method", "forkserver",
-                                "-k", "TestIgnoreEINTR"], 150, env=env)
+                                "-k", "IgnoreEINTR", "--strict"], 150, env=env)
     assert rc == 0, out + err
-    assert "2 run, 2 passed, 0 failed" in out, out
+    result = json.loads(out.split("\nRESULT ", 1)[1])
+    assert result["run"] == 2 and not result["failed"] and not result["skipped"], result
 
 
 # A fresh interpreter (the window's setting is read once per connection): with a bad

@@ -427,9 +427,17 @@ print(*cache.processes()["joblib-pool"]["pids"], flush=True)
 
 
 def _dev_shm():
-    """What /dev/shm holds, but the private directories of test runs (conftest.py) that
-    may start and end meanwhile on the same machine."""
-    return {n for n in os.listdir("/dev/shm") if not n.startswith("sharedmp-tests-")}
+    """What joblib and loky left in /dev/shm: memmapping folders and semaphores whose maker
+    (the pid in the name: joblib_memmapping_folder_<pid>_..., sem.loky-<pid>-...) is gone.
+    Live makers' entries are in use: other tests of the run (the other pytest worker) or
+    other programs make and remove their own meanwhile."""
+    left = set()
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(("joblib_memmapping_folder_", "sem.loky-")):
+            pid = name.replace("-", "_").split("_")[3 if name.startswith("joblib") else 1]
+            if not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
+                left.add(name)
+    return left
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -22,7 +22,7 @@ from sharedmp.errors import ProcessException
 from sharedmp.processes import pdeath
 
 import _process_workers as w
-from _helpers import proc_stat as _stat
+from _helpers import eventually, proc_stat as _stat
 from conftest import TIMEOUT, fork_and_wait, join_or_kill
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -176,6 +176,39 @@ def test_child_whose_parent_died_before_it_armed_never_runs(tmp_path, method):
         assert not os.path.exists(os.path.join(where, "ran")), "the orphan ran its target"
     finally:
         kill_all(child)
+
+
+@pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
+def test_forkserver_child_outlives_a_killed_fork_server():
+    # A forkserver child dies with the process that started it, not with the fork server
+    # (its OS parent, a helper): with the server SIGKILLed, the standard library starts
+    # another and running children go on (CPython's test_forkserver_sigkill).
+    from multiprocessing import forkserver
+    ctx = mp.get_context("forkserver")
+    go = ctx.Event()
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=w.wait_then_report, args=(there, go, TIMEOUT))
+    p.start()
+    try:
+        assert here.poll(TIMEOUT) and here.recv() == p.pid
+        server = forkserver._forkserver._forkserver_pid
+        assert server and _stat(p.pid)[1] == server          # the child's OS parent
+        os.kill(server, signal.SIGKILL)
+        # (not reaped here: the standard library reaps it as it starts the next server)
+        assert eventually(lambda: _stat(server)[0] == "Z", TIMEOUT, collect=False)
+        time.sleep(0.3)                      # a signal at the server's death would have landed
+        st = _stat(p.pid)                    # (is_alive() asks the dead server: False)
+        assert st is not None and st[0] != "Z", st
+        go.set()
+        assert here.poll(TIMEOUT) and here.recv() == "done"
+        assert join_or_kill(p) in (0, 255)   # (255: its exit status went with the server)
+        # the next forkserver child starts from a new server, and is armed as well
+        q = ctx.Process(target=w.wait_then_report, args=(there, go, TIMEOUT))
+        q.start()
+        assert here.poll(TIMEOUT) and here.recv() == q.pid
+        assert join_or_kill(q) == 0 and forkserver._forkserver._forkserver_pid != server
+    finally:
+        join_or_kill(p)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -224,8 +224,8 @@ def test_window_is_sized_by_the_first_message_that_makes_flight(monkeypatch):
     # Reading the memory available costs about 0.5 ms: messages by value never need it.
     from sharedmp.channels import flow
     calls = []
-    real = flow.window_bytes
-    monkeypatch.setattr(flow, "window_bytes", lambda: calls.append(1) or real())
+    real = flow._default_window
+    monkeypatch.setattr(flow, "_default_window", lambda: calls.append(1) or real())
     a, b = mp.Pipe()
     with a, b:
         for _ in range(3):

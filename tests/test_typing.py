@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The modules mypy checks strictly (pyproject.toml, [[tool.mypy.overrides]]), but sharedmp itself.
 PUBLIC_MODULES = [
-    "sharedmp.arrays", "sharedmp.strategy", "sharedmp.errors", "sharedmp.channels.context",
+    "sharedmp.arrays", "sharedmp.strategy", "sharedmp.errors", "sharedmp.processes.context",
     "sharedmp.channels.queues", "sharedmp.channels.connection", "sharedmp.processes.spawn",
     "sharedmp.memory.cache", "sharedmp.training", "sharedmp.distributed", "sharedmp.joblib",
 ]
@@ -98,7 +98,8 @@ def test_public_names_are_annotated():
             continue                         # the standard object, re-exported as it is
         names[name] = obj
     # What mp.Queue(), mp.Pipe(), mp.get_context() return: public through them.
-    from sharedmp.channels import connection, context, queues
+    from sharedmp.channels import connection, queues
+    from sharedmp.processes import context
     for cls in (queues.Queue, queues.JoinableQueue, queues.SimpleQueue, connection.Connection,
                 context.ForkContext, context.SpawnContext, context.ForkServerContext):
         names[f"{cls.__module__}.{cls.__qualname__}"] = cls

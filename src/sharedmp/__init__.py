@@ -15,7 +15,7 @@ from . import cuda as _cuda  # noqa: F401  -- its fork hook: a child knows CUDA 
 from . import registry as _registry
 # (mypy keeps multiprocessing's types for the names below, as torch.multiprocessing's users see
 # them: ``q: mp.Queue`` stays a valid annotation; sharedmp's Queues are functions.)
-from .channels.context import (  # type: ignore[assignment]
+from .processes.context import (  # type: ignore[assignment]
     JoinableQueue, Pipe, Pool, Process, Queue, SimpleQueue, get_context)
 from .errors import CudaError, ManagerError, OutOfSharedMemory, ProtocolError, SegmentError
 from .errors import ProcessException, ProcessExitedException, ProcessRaisedException

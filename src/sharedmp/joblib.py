@@ -93,7 +93,7 @@ from . import _compat, forks, settings
 from . import strategy as _strategy
 from .memory import cache as _cache
 from .memory import views as _views
-from .channels import context as _context
+from .processes import context as _context
 
 __all__ = ["BACKEND_NAME", "SharedmpBackend", "register", "release_pool"]
 

@@ -83,8 +83,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable(RECYCLE_BYTES, 256 << 20, _number(0, integer=True),
              "a number of bytes >= 0 (0 turns recycling off)"),
     Variable(WINDOW_BYTES, None, _number(1, integer=True),
-             "a positive number of bytes (unset: a 64th of the memory available, "
-             "within 1-8 MiB)"),
+             "a positive number of bytes (unset: sized by the memory available, "
+             "docs/reference.md: mp.Pipe)"),
     Variable(SPIN_US, 50.0, _number(0, 1e6),
              "a number of microseconds from 0 (no spinning) to 1000000"),
     Variable(KEEP_ORPHANS, False, _flag,

@@ -1,1 +1,1 @@
-"""How bytes move: fd passing over AF_UNIX sockets, connections, queues, pools, contexts."""
+"""How bytes move: fd passing over AF_UNIX sockets, connections, flow control, queues."""

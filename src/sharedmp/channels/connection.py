@@ -22,7 +22,7 @@ import select
 import socket
 import time
 from multiprocessing.reduction import DupFd
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import settings, wire
 from ..memory import manager
@@ -131,11 +131,33 @@ class Connection:
         except Exception:           # (at interpreter exit, modules may be gone)
             pass
 
-    def _flow(self) -> flow.Window:
-        """This end's window (channels/flow.py), made on the first send."""
+    # -- what the queues use (queues.py): a message pickled in one step and sent in another,
+    #    by the caller or by a feeder thread; read without waiting, under the queue's lock --
+    def window(self) -> flow.Window:
+        """This end's window (channels/flow.py), made on the first send: made first, a bad
+        setting raises before anything is pickled."""
         if self._window is None:
             self._window = flow.Window()
         return self._window
+
+    def pack(self, obj: Any) -> tuple[ReadableBuffer, fdpass.Fds, int]:
+        """``obj`` pickled for this end: (payload, fds, flags), its named segments counted
+        with this connection's tokens (memory/manager.py)."""
+        return dumps(obj, self._tokens)
+
+    def send_packed(self, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0,
+                    flight: int | None = None) -> None:
+        """Send a packed message, waiting while the socket is full or the window passed."""
+        fdpass.send_frame(self._check(write=True), payload, fds, flags, self.window(), flight)
+
+    def try_send_packed(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> bool:
+        """Send it now if that needs no wait; False, with nothing sent, otherwise."""
+        return fdpass.try_send_frame(self._check(write=True), payload, fds, flags, self.window())
+
+    def recv_packed_nowait(self) -> tuple[bytes | bytearray, list[int], int]:
+        """The next frame if one is there; BlockingIOError if none is (or another reader took
+        it first)."""
+        return fdpass.recv_frame(self._check(read=True), block=False)
 
     def __enter__(self) -> Connection:
         return self
@@ -145,9 +167,8 @@ class Connection:
 
     def send(self, obj: Any) -> None:
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
-        sock = self._check(write=True)
-        payload, fds, flags = dumps(obj, self._tokens)
-        fdpass.send_frame(sock, payload, fds, flags, self._flow())
+        self._check(write=True)
+        self.send_packed(*self.pack(obj))
 
     def recv(self) -> Any:
         """Receive an object sent with send()."""
@@ -172,7 +193,7 @@ class Connection:
             size = len(m) - offset
         elif size < 0 or offset + size > len(m):
             raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
-        fdpass.send_frame(sock, m[offset:offset + size], window=self._flow())
+        fdpass.send_frame(sock, m[offset:offset + size], window=self.window())
 
     def _recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
         payload, fds, _ = self._recv_frame(self._check(read=True))

@@ -20,13 +20,14 @@ messages is summed and the token goes with the message that brings the sum to
 ``STEP`` (an eighth of the window): at most a step is ever uncounted. Records before a
 token are taken before it (one socket, one sender process, in order).
 
-The window: ``$SHAREDMP_WINDOW_BYTES``, default 8 MiB or a 64th of the memory the
-machine (or its cgroup) has available, whichever is smaller. A send returns once the
+The window: ``$SHAREDMP_WINDOW_BYTES``, else ``DEFAULT`` or a ``_FRACTION_OF_AVAILABLE``-th
+of the memory the machine (or its cgroup) has available, whichever is smaller, and at least
+``_MIN`` (docs/reference.md, ``mp.Pipe``, states them). A send returns once the
 flight, its own message included, is within the window, so a message larger than the
 window returns once it has been received, as the standard library's larger than its pipe
 buffer do. A send that finds the window full waits until half of it is free, so that a
 steady stream wakes once per half-window and not once per message. The bench's streams
-(W2, W3) run as fast with 8 MiB as with 64 MiB or none. Windows are per connection end
+(W2, W3) run as fast with the default as with 64 MiB or none. Windows are per connection end
 and per process.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .. import fds, forks, host, settings
 
 ENV = settings.WINDOW_BYTES
 DEFAULT = 8 << 20
+_MIN = 1 << 20
 _FRACTION_OF_AVAILABLE = 64
 
 
@@ -49,12 +51,12 @@ def window_bytes() -> int:
 
 
 def _default_window() -> int:
-    """Without the setting: a 64th of the memory available, within 1-8 MiB."""
+    """Without the setting: a part of the memory available, within _MIN-DEFAULT."""
     # (read at most once a second: a Pool starts several connections at once)
     avail = host.available_memory_cached(1.0)
     if avail is None:                 # (no /proc/meminfo)
         return DEFAULT
-    return max(1 << 20, min(DEFAULT, avail // _FRACTION_OF_AVAILABLE))
+    return max(_MIN, min(DEFAULT, avail // _FRACTION_OF_AVAILABLE))
 
 
 class Window:

@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover
 
 from .. import _compat, forks
 from .. import fds as _fds
-from ..wire import dumps, loads
+from ..wire import loads
 from . import fdpass
 from .connection import Pipe
 
@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from multiprocessing.synchronize import BoundedSemaphore, Lock
 
     from .connection import Connection
-    from .flow import Window
 
 _SENTINEL = object()
 
@@ -128,14 +127,13 @@ def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
     while it waits does not keep the lock. Another consumer may take the record between the
     poll() and the read: the read then finds nothing and the wait goes on.
     """
-    sock = reader._check(read=True)
     deadline = None if timeout is None or not block else time.monotonic() + timeout
     while True:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not rlock.acquire(block, left):
             raise Empty
         try:
-            return fdpass.recv_frame(sock, block=False)
+            return reader.recv_packed_nowait()
         except BlockingIOError:          # nothing there, or another consumer took it first
             pass
         finally:
@@ -172,9 +170,8 @@ class SimpleQueue:
         return loads(*_get_frame(self._reader, self._rlock))     # (unpickled without the lock)
 
     def put(self, obj: Any) -> None:
-        window = self._writer._flow()          # (first: a bad setting raises before dumps)
-        payload, fds, flags = dumps(obj, self._writer._tokens)
-        fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, window)
+        self._writer.window()                  # (first: a bad setting raises before pickling)
+        self._writer.send_packed(*self._writer.pack(obj))
 
 
 class Queue:
@@ -226,32 +223,30 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         # First: the first put() makes the window, which reads its setting; a bad value
         # raises here, before anything is counted or queued (never in the feeder thread).
-        window = self._writer._flow()
+        self._writer.window()
         if not self._sem.acquire(block, timeout):
             raise Full
         try:
-            payload, fds, flags = dumps(obj, self._writer._tokens)
+            payload, fds, flags = self._writer.pack(obj)
         except BaseException:
             self._sem.release()
             raise
         self._count_task()
-        self._send(payload, fds, flags, window)
+        self._send(payload, fds, flags)
 
     def _count_task(self) -> None:
         pass
 
-    def _send(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int,
-              window: Window) -> None:
+    def _send(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> None:
         self._used = True
         if _pid != self._creator:
-            fdpass.send_frame(self._writer._check(write=True), payload, fds, flags, window)
+            self._writer.send_packed(payload, fds, flags)
             return
         # In the creating process put() never waits for the socket. Straight into it when
         # the feeder holds nothing (the buffer keeps each item until it is sent: this
         # thread's earlier items are all out) and the socket takes the record at once;
         # otherwise through the feeder, in order. Saves a thread hand-off per message.
-        if not self._buffer and fdpass.try_send_frame(self._writer._check(write=True), payload,
-                                                      fds, flags, window):
+        if not self._buffer and self._writer.try_send_packed(payload, fds, flags):
             return
         held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
@@ -356,8 +351,7 @@ class Queue:
             try:
                 # (waits here, not in put(), while the window is full: as multiprocessing's
                 # feeder waits on a full pipe)
-                fdpass.send_frame(writer._check(write=True), payload,
-                                  [entry[0].fd for entry in taken], flags, writer._flow(), flight)
+                writer.send_packed(payload, [entry[0].fd for entry in taken], flags, flight)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return

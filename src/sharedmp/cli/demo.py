@@ -392,7 +392,7 @@ def launch_local(args):
         port = s.getsockname()[1]
     preexec = None
     if pdeath.HAVE_PDEATHSIG and not pdeath.keep_orphans():
-        preexec = functools.partial(pdeath.arm, os.getpid(), False)
+        preexec = functools.partial(pdeath.arm, os.getpid())
     leaders = []
     try:
         for rank in range(args.nodes):

@@ -1,5 +1,6 @@
-"""Processes: children that die with their parent (``pdeath``), and torch's ``spawn()``.
+"""Processes: the contexts whose Process, Pool and channels are sharedmp's (``context``),
+children that die with their parent (``pdeath``), and torch's ``spawn()``.
 
-``pdeath`` sits below the channels (the contexts' Process uses it); ``spawn`` sits above
-them (it starts its children through a sharedmp context). This file imports neither.
+The folder sits above the channels (a context hands out sharedmp's queues and pipes); the
+channels never import it. This file imports nothing.
 """

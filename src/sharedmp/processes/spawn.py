@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, overload
 
 from .. import settings
-from ..channels.context import get_context
+from .context import get_context
 from ..errors import ProcessExitedException, ProcessRaisedException
 
 if TYPE_CHECKING:

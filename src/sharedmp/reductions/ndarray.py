@@ -27,12 +27,10 @@ from .segment import reduce_segment
 # into it at send, and its fd carried; below these sizes its bytes in the message cost
 # less (measured, docs/reference.md "Small arrays travel by value"):
 # - on a sharedmp channel, while the message's bytes by value (its PickleBuffers too)
-#   stay within ``wire.INBAND_MAX`` (48 KiB: one record; a lone 4 KiB array 17.4 -> 9.6 us
-#   a send + receive, 48 KiB 21.2 -> 17.5);
+#   stay within ``wire.INBAND_MAX`` (one socket record);
 # - on any other channel (a standard-library Queue, Pipe or spawn arguments), up to
 #   ``STD_BY_VALUE_MAX``: there the fd would go through multiprocessing's resource sharer, a
-#   connection back to the sender per array (about 0.4 ms; 16 KiB by value 0.04 ms, 256
-#   KiB 0.56 ms), which also fails once the sender has exited.
+#   connection back to the sender per array, which also fails once the sender has exited.
 # An array already in shared memory always travels as its segment (it is shared).
 STD_BY_VALUE_MAX = 128 << 10
 

@@ -337,7 +337,19 @@ def _survey_shm(report, shm_before, timed_out):
     # Left behind: new files that no live process maps or holds open (others' files, e.g.
     # of a test suite running meanwhile, are in use and not this run's to report).
     new = _shm_entries() - shm_before
-    report["shm_left"] = sorted(new - leftovers.in_use(new))
+    report["shm_left"] = sorted(new - leftovers.in_use(new) - _of_live_joblib(new))
+
+
+def _of_live_joblib(paths):
+    """joblib's memmapping folders whose process lives (joblib_memmapping_folder_<pid>_...:
+    a folder is in use by no mapping, but its maker removes it when done)."""
+    live = set()
+    for p in paths:
+        parts = os.path.basename(p).split("_")
+        if p.startswith("/dev/shm/joblib_memmapping_folder_") and parts[3].isdigit():
+            if leftovers.proc_stat(int(parts[3])) is not None:
+                live.add(p)
+    return live
 
 
 def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isolation=None):

@@ -2,7 +2,7 @@
 
 Each is the standard context of its start method with Queue, JoinableQueue,
 SimpleQueue, Pipe, Pool and Process replaced (a child starts with the parent's
-sharing strategy and, on Linux, dies with its parent: ``processes/pdeath.py``), so it
+sharing strategy and, on Linux, dies with its parent: ``pdeath.py``), so it
 works wherever a ``multiprocessing`` context does (``ProcessPoolExecutor(mp_context=...)``,
 ``DataLoader(multiprocessing_context=...)``).
 """
@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 from .. import _compat, settings, strategy
 from ..errors import ManagerError
 from ..memory import manager
-from ..processes.pdeath import DieWithParent
+from .pdeath import DieWithParent
 
 if TYPE_CHECKING:
     import multiprocessing.pool
 
-    from . import queues
-    from .connection import Connection
+    from ..channels import queues
+    from ..channels.connection import Connection
 
     _ContextBase = _std.BaseContext     # _Channels is mixed into the standard contexts
 else:
@@ -80,8 +80,7 @@ class _Adopt:
 # in the server, each child has them already (27 ms a child otherwise, on 2 cores). CPython
 # before 3.14 never preloads ``__main__`` there (its preparation data has no "main_path"),
 # so the user's own ``import sharedmp`` at the top of the script does not do it either.
-FORKSERVER_PRELOAD = ("sharedmp", "sharedmp.channels.queues", "sharedmp.memory.leftovers",
-                      "ctypes")
+FORKSERVER_PRELOAD = ("sharedmp", "sharedmp.channels.queues")
 
 
 def _preload_in_fork_server() -> None:
@@ -179,22 +178,22 @@ class _Channels(_ContextBase):
 
     def Queue(self, maxsize: int = 0) -> queues.Queue:  # type: ignore[override]
         """A queue whose messages carry the fds of their arrays."""
-        from .queues import Queue
+        from ..channels.queues import Queue
         return Queue(maxsize, ctx=self)
 
     def JoinableQueue(self, maxsize: int = 0) -> queues.JoinableQueue:  # type: ignore[override]
         """A Queue with task_done() and join()."""
-        from .queues import JoinableQueue
+        from ..channels.queues import JoinableQueue
         return JoinableQueue(maxsize, ctx=self)
 
     def SimpleQueue(self) -> queues.SimpleQueue:  # type: ignore[override]
         """A synchronous queue (put() returns once the message is in the kernel)."""
-        from .queues import SimpleQueue
+        from ..channels.queues import SimpleQueue
         return SimpleQueue(ctx=self)
 
     def Pipe(self, duplex: bool = True) -> tuple[Connection, Connection]:  # type: ignore[override]
         """Two Connections over an AF_UNIX socketpair."""
-        from .connection import Pipe
+        from ..channels.connection import Pipe
         return Pipe(duplex)
 
     def Pool(self, processes: int | None = None, initializer: Callable[..., object] | None = None,
