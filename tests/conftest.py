@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -161,6 +162,32 @@ def start_process(ctx, target, *args):
     p = ctx.Process(target=target, args=args, daemon=True)
     p.start()
     return p
+
+
+# A program as a terminal starts it: SIGINT at its default (Python then makes it
+# KeyboardInterrupt) and not blocked, whatever this process has (a disposition or a mask
+# inherited by the test run: a program started in the background of a non-interactive shell
+# has SIGINT ignored, and Python then leaves it ignored). Exec'd with -X faulthandler: a
+# SIGABRT prints every thread's stack (what a Ctrl-C test shows when the program hangs).
+_AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+                       "os.execv(sys.executable, [sys.executable, '-X', 'faulthandler', "
+                       "*sys.argv[1:]])")
+
+
+def as_from_a_terminal(argv):
+    """``[python, *args]`` run as a terminal would start it (see above)."""
+    assert argv[0] == sys.executable
+    return [sys.executable, "-c", _AS_FROM_A_TERMINAL, *argv[1:]]
+
+
+def signal_state(pid="self"):
+    """SigBlk/SigIgn/SigCgt of a process (/proc), for a failure's message."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError:
+        return "(gone)"
 
 
 def group_gone(pgid, wait=10):

@@ -28,8 +28,10 @@ try:
     FUTURES = True
 except ImportError:
     FUTURES = False
-# A suite takes 60-90 s on 2 CPUs; CPython's own bound on a hung test is 5 min.
+# A suite takes 60-90 s on 2 CPUs (more beside other runs); CPython's own bound on a hung
+# test is 5 min.
 SECONDS = 600
+pytestmark = pytest.mark.timeout(SECONDS + 60)
 
 
 def _run(args, tmp_path, env=None):

@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 from sharedmp.cli import main  # noqa: E402
-from conftest import group_gone, run_bounded  # noqa: E402
+from conftest import as_from_a_terminal, group_gone, run_bounded, signal_state  # noqa: E402
 
 TIMEOUT = 90           # seconds for a CLI subprocess
 SHORT = ["--hidden", "32", "--epochs", "2"]
@@ -155,8 +155,9 @@ def test_ctrl_c_stops_everything(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     env = dict(os.environ, SHAREDMP_SHM_DIR=str(shm))
-    proc = subprocess.Popen([sys.executable, "-m", "sharedmp", "demo", "--workers", "2", "--hidden", "32",
-                             "--epochs", "100000", "--strategy", "file_system"],
+    proc = subprocess.Popen(as_from_a_terminal(
+                                [sys.executable, "-m", "sharedmp", "demo", "--workers", "2",
+                                 "--hidden", "32", "--epochs", "100000", "--strategy", "file_system"]),
                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True, env=env)
     lines = queue.Queue()
@@ -169,8 +170,18 @@ def test_ctrl_c_stops_everything(tmp_path):
         # says the workers are training.
         while " samples (" not in (err[-1] if err else ""):
             err.append(lines.get(timeout=TIMEOUT))
+        state = signal_state(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)            # its stacks, by faulthandler
+            proc.wait(timeout=TIMEOUT)
+            reader.join(timeout=TIMEOUT)
+            while not lines.empty():
+                err.append(lines.get())
+            pytest.fail(f"still running 30 s after SIGINT (signals then: {state}; this "
+                        f"process: {signal_state()}):\n{''.join(err)[-12000:]}", pytrace=False)
         reader.join(timeout=TIMEOUT)
         out = proc.stdout.read()
     except BaseException:

@@ -24,7 +24,7 @@ import torch.distributed  # noqa: E402
 from sharedmp import distributed  # noqa: E402
 from sharedmp.cli import main  # noqa: E402
 from _helpers import children  # noqa: E402
-from conftest import group_gone  # noqa: E402
+from conftest import as_from_a_terminal, group_gone, signal_state  # noqa: E402
 
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
@@ -64,14 +64,17 @@ class Group:
         self.procs.append(proc)
         return proc
 
-    def communicate(self, proc, timeout):
+    def communicate(self, proc, timeout, before_kill=None, context=""):
         try:
             return proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            if before_kill is not None:          # (e.g. SIGABRT: faulthandler prints the stacks)
+                before_kill()
+                time.sleep(1)
             self.__exit__()
             out, err = proc.communicate()
-            pytest.fail(f"{proc.args} did not finish within {timeout} s; its output:\n{out[-3000:]}"
-                        f"\n{err[-5000:]}", pytrace=False)
+            pytest.fail(f"{proc.args} did not finish within {timeout} s {context}; its output:"
+                        f"\n{out[-3000:]}\n{err[-12000:]}", pytrace=False)
 
     def __enter__(self):
         return self
@@ -228,12 +231,15 @@ def test_launcher_reports_a_killed_node_and_the_other_stops(tmp_path):
 def test_ctrl_c_stops_every_node():
     """SIGINT to the launcher's group, as a terminal's Ctrl-C: passed on, exit 130, nothing left."""
     with Group() as g:
-        proc = g.start([sys.executable, "-m", "sharedmp", "demo", "--nodes", "2", *SMALL,
-                        "--epochs", "100000"])
+        proc = g.start(as_from_a_terminal([sys.executable, "-m", "sharedmp", "demo", "--nodes",
+                                           "2", *SMALL, "--epochs", "100000"]))
         leaders = wait_for_workers(proc)
         time.sleep(3)
+        state = [signal_state(pid) for pid in (proc.pid, *leaders.values())]
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = g.communicate(proc, 60)
+        out, err = g.communicate(proc, 60, before_kill=lambda: [
+            os.kill(pid, signal.SIGABRT) for pid in (proc.pid, *leaders.values())],
+            context=f"signals at SIGINT (launcher, leaders): {state}")
     assert proc.returncode == 130, err
     assert "node 0: interrupted: the workers were stopped" in err
     assert "node 1: interrupted: the workers were stopped" in err

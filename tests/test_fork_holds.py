@@ -123,6 +123,9 @@ def test_empty_cache_gives_every_segment_back_before_it_returns(strategy, method
     returns with every segment gone (under file_system: the daemon has unlinked them)."""
     _, d = strategy
     ctx = mp.get_context(method)
+    # (segments the daemon counts for other tests of this pytest worker: a warm joblib pool,
+    # a module's dataset; not this test's, which are all gone at the end)
+    before = manager.stats()["segments"] if d is not None else 0
     for _ in range(2):
         arrays = _fill(1)
         q, go = ctx.Queue(), ctx.Event()
@@ -136,4 +139,4 @@ def test_empty_cache_gives_every_segment_back_before_it_returns(strategy, method
         mp.empty_cache()
         if d is not None:
             assert listed(d) == [] and pooled(d) == [], (manager.stats(), listed(d), pooled(d))
-            assert manager.stats()["segments"] == 0
+            assert manager.stats()["segments"] <= before

