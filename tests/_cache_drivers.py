@@ -96,7 +96,7 @@ def drop_all(strategy, how):
         at_once = state()
     else:
         at_once = None
-    took, last = back_to(base, 5)
+    took, last = back_to(base, 30)
     say(base=base, peak=peak, at_once=at_once, took=took, last=last)
 
 

@@ -164,7 +164,9 @@ def test_leftovers_reported_and_cleaned(tmp_path):
     fd_only = segment_file(directory)           # open, not mapped
     other = os.path.join(directory, "not_a_segment")
     open(other, "w").close()
-    env = {SHM_DIR_ENV: directory, STRATEGY_ENV: None}
+    # (not this pytest process's daemon, inherited through $SHAREDMP_MANAGER: it would keep
+    # a pool directory in this directory until the whole run ends)
+    env = {SHM_DIR_ENV: directory, STRATEGY_ENV: None, "SHAREDMP_MANAGER": None}
     with open(mapped, "r+b") as f:
         mm = mmap.mmap(f.fileno(), 4096)
     raw = MapOnly(map_only)
@@ -199,7 +201,7 @@ def test_leftovers_reported_and_cleaned(tmp_path):
     code, report = run_json("--clean", env=env)
     assert code == 0
     assert sorted(r["path"] for r in report["removed"]) == sorted([mapped, map_only, fd_only])
-    # (a daemon doctor started there removes its pool directory as it exits, a moment after
+    # (the daemon doctor started removes its pool directory as it exits, a moment after
     # doctor's own exit)
     assert eventually(lambda: os.listdir(directory) == ["not_a_segment"], TIMEOUT), \
         os.listdir(directory)

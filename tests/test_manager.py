@@ -10,11 +10,13 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -71,8 +73,9 @@ class Driver:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            self.close()
+            kill(self.proc.pid)
             err = self.proc.stderr.read()[-3000:]
+            self.close()
             pytest.fail(f"the driver said nothing within {timeout} s: {err}")
         return json.loads(line)
 
@@ -420,7 +423,18 @@ def test_parent_sigkilled_while_children_hold_segments(tmp_path, fork_or_spawn):
 @linux_only
 @pytest.mark.leaks_ok
 def test_daemon_sigkilled_clear_error_then_doctor_clean(tmp_path):
-    d = Driver(tmp_path, "daemon_killed")
+    # A runtime directory of its own: a doctor --clean of another test meanwhile (the other
+    # pytest worker) would clean the dead daemon's directory of the shared one first. (Short:
+    # an AF_UNIX socket's path has at most 107 bytes, tmp_path's can be longer.)
+    runtime = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
+    try:
+        _daemon_sigkilled_then_doctor(tmp_path, runtime)
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _daemon_sigkilled_then_doctor(tmp_path, runtime):
+    d = Driver(tmp_path, "daemon_killed", XDG_RUNTIME_DIR=runtime)
     info = d.read()
     kill(info["daemon"])
     assert eventually(lambda: not alive(info["daemon"]))
@@ -436,6 +450,7 @@ def test_daemon_sigkilled_clear_error_then_doctor_clean(tmp_path):
     assert left, "nothing was left: this scenario tests the cleaning"
     env = {k: v for k, v in os.environ.items() if k != manager.ENV}
     env[segment.SHM_DIR_ENV] = str(tmp_path)
+    env["XDG_RUNTIME_DIR"] = runtime
     doctor = subprocess.run([sys.executable, "-m", "sharedmp", "doctor", "--clean"], env=env,
                             capture_output=True, text=True, timeout=TIMEOUT)
     assert not segments_in(tmp_path), doctor.stdout
