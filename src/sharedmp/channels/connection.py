@@ -167,8 +167,9 @@ class Connection:
 
     def send(self, obj: Any) -> None:
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
-        self._check(write=True)
-        self.send_packed(*self.pack(obj))
+        sock = self._check(write=True)          # (send_packed's steps inline: the hot path)
+        payload, fds, flags = dumps(obj, self._tokens)
+        fdpass.send_frame(sock, payload, fds, flags, self.window())
 
     def recv(self) -> Any:
         """Receive an object sent with send()."""
