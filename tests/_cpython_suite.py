@@ -150,7 +150,6 @@ def main(argv):
         classes, set_up, tear_down = install_futures(args.stdlib)
     else:
         classes, set_up, tear_down = install(args.stdlib, args.start_method)
-    globals().update(classes)
     loader = unittest.TestLoader()
     if args.pattern:
         loader.testNamePatterns = [f"*{args.pattern}*"]

@@ -431,13 +431,10 @@ def _dev_shm():
     (the pid in the name: joblib_memmapping_folder_<pid>_..., sem.loky-<pid>-...) is gone.
     Live makers' entries are in use: other tests of the run (the other pytest worker) or
     other programs make and remove their own meanwhile."""
-    left = set()
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(("joblib_memmapping_folder_", "sem.loky-")):
-            pid = name.replace("-", "_").split("_")[3 if name.startswith("joblib") else 1]
-            if not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
-                left.add(name)
-    return left
+    from sharedmp.cli.bench.driver import joblib_maker
+    return {name for name in os.listdir("/dev/shm")
+            if name.startswith(("joblib_memmapping_folder_", "sem.loky-"))
+            and not ((pid := joblib_maker(name)) and os.path.exists(f"/proc/{pid}"))}
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

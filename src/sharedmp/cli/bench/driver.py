@@ -340,16 +340,20 @@ def _survey_shm(report, shm_before, timed_out):
     report["shm_left"] = sorted(new - leftovers.in_use(new) - _of_live_joblib(new))
 
 
+def joblib_maker(name):
+    """The pid in the name of a joblib memmapping folder or a loky semaphore
+    (joblib_memmapping_folder_<pid>_..., sem.loky-<pid>-...), or None."""
+    if not name.startswith(("joblib_memmapping_folder_", "sem.loky-")):
+        return None
+    pid = name.replace("-", "_").split("_")[3 if name.startswith("joblib") else 1]
+    return int(pid) if pid.isdigit() else None
+
+
 def _of_live_joblib(paths):
-    """joblib's memmapping folders whose process lives (joblib_memmapping_folder_<pid>_...:
-    a folder is in use by no mapping, but its maker removes it when done)."""
-    live = set()
-    for p in paths:
-        parts = os.path.basename(p).split("_")
-        if p.startswith("/dev/shm/joblib_memmapping_folder_") and parts[3].isdigit():
-            if leftovers.proc_stat(int(parts[3])) is not None:
-                live.add(p)
-    return live
+    """joblib's and loky's entries whose maker lives: a folder is in use by no mapping, but
+    its maker removes it when done."""
+    return {p for p in paths if (pid := joblib_maker(os.path.basename(p))) is not None
+            and leftovers.proc_stat(pid) is not None}
 
 
 def bench(scale, rounds, quick, timeout=None, systems=None, workloads=None, isolation=None):
