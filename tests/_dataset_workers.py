@@ -168,3 +168,51 @@ def hold_dataset(conn, dataset):
                 return None
             conn.send(smaps()["Pss"] - before["Pss"])
     _guard(conn, run)
+
+
+# -- issue 42: sealed, faithful datasets -----------------------------------------------------
+
+class ArrayDataset:
+    """A dataset of one array and views of it, as users write them."""
+
+    def __init__(self, n):
+        self.data = np.arange(n * 64, dtype=np.float64).reshape(n, 64)
+        self.first_half = self.data[: n // 2]
+        self.every_other = self.data[::2]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.data[i] += 0.5              # in-place augmentation: private to each worker
+        return self.data[i].copy()
+
+
+def identity_facts(conn, shared_list, shared_dict):
+    """What a reader sees of the objects records share: identities and values."""
+    def run():
+        a, b, c = shared_list[0], shared_list[1], shared_list[-1]
+        v1, v2 = shared_dict["x"], shared_dict["y"]
+        return {"same": a[1] is b[1] is c[1], "equal": a[1] == {f"k{i}": i for i in range(5000)},
+                "dict_same": v1[0] is v2[0], "pair": a[2] is b[2] and a[2][0] is a[1]}
+    _guard(conn, run)
+
+
+def views_and_writes(conn, dataset, rows):
+    """Write into the dataset's array in place (``__getitem__``), then report what this process
+    sees: whether the views still view the array, and the rows' first values."""
+    def run():
+        for i in rows:
+            dataset[i]
+        return {"views": bool(np.shares_memory(dataset.first_half, dataset.data)
+                              and np.shares_memory(dataset.every_other, dataset.data)),
+                "first_half": float(dataset.first_half[rows[0], 0]),
+                "shared": mp.is_shared(dataset.data),
+                "values": [float(dataset.data[i, 0]) for i in range(4)]}
+    _guard(conn, run)
+
+
+def first_record(conn, shared_list):
+    def run():
+        return shared_list[0]
+    _guard(conn, run)

@@ -144,7 +144,7 @@ LAYERS = [
     {"reductions"},                               # what a value becomes on the wire
     {"channels"},                                 # fds over sockets, connections, queues
     {"processes"},                                # contexts, pdeath, spawn()
-    {"sharedmp.arrays", "sharedmp.datasets", "sharedmp.registry", "sharedmp.joblib"},
+    {"sharedmp.arrays", "datasets", "sharedmp.registry", "sharedmp.joblib"},
     {"sharedmp"},                                 # the public API
     {"hogwild", "sharedmp.training", "sharedmp.distributed", "cli", "sharedmp.__main__"},
 ]

@@ -23,6 +23,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp import datasets
+from sharedmp.datasets import block, containers
 from sharedmp.memory import segment
 
 import _dataset_workers as dw
@@ -283,16 +284,16 @@ def _writable_copy(container):
 
 
 def _header(mem):
-    return list(datasets._HEADER.unpack_from(mem.data))
+    return list(block.HEADER.unpack_from(mem.data))
 
 
 def _set_header(mem, fields):
-    datasets._HEADER.pack_into(mem.data, 0, *fields)
+    block.HEADER.pack_into(mem.data, 0, *fields)
 
 
 def _section(fields, s):
     """(offset, length) of section ``s`` in an unpacked header."""
-    return fields[6 + 2 * s], fields[7 + 2 * s]
+    return fields[7 + 2 * s], fields[8 + 2 * s]
 
 
 def test_hostile_blocks_are_protocol_errors_when_attached():
@@ -306,29 +307,29 @@ def test_hostile_blocks_are_protocol_errors_when_attached():
         if change == "magic":
             fields[0] = b"sharedmq"
         elif change == "kind":
-            fields[2] = datasets.DICT
+            fields[2] = block.DICT
         elif change == "n":
             fields[3] += 1
         elif change == "section out of the block":
-            fields[6 + 2 * datasets.RECORDS] = len(mem) - 8
+            fields[7 + 2 * block.RECORDS] = len(mem) - 8
         _set_header(mem, fields)
-        offsets = mem[slice(*_span(fields, datasets.OFFSETS))].view(np.int64)
-        table = mem[slice(*_span(fields, datasets.BUFTABLE))].view(np.int64)
+        offsets = mem[slice(*_span(fields, block.OFFSETS))].view(np.int64)
+        table = mem[slice(*_span(fields, block.BUFTABLE))].view(np.int64)
         if change == "offset past the end":
             offsets[-1] = 1 << 40
         elif change == "offsets fall":
             offsets[5] = offsets[4] - 1
         elif change == "buffer outside":
             table[7] = 1 << 50
-        cases.append((change, Handle(datasets._rebuild_list, mem, None)))
-    cases.append(("not a block", Handle(datasets._rebuild_list, b"x" * 300, None)))
-    cases.append(("a dict's block", Handle(datasets._rebuild_list, d._block.mem, None)))
-    cases.append(("rows past the end", Handle(datasets._rebuild_list, s._block.mem, range(30))))
-    cases.append(("rows not a range", Handle(datasets._rebuild_list, s._block.mem, [1, 2])))
+        cases.append((change, Handle(containers._rebuild_list, mem, None)))
+    cases.append(("not a block", Handle(containers._rebuild_list, b"x" * 300, None)))
+    cases.append(("a dict's block", Handle(containers._rebuild_list, d._block.mem, None)))
+    cases.append(("rows past the end", Handle(containers._rebuild_list, s._block.mem, range(30))))
+    cases.append(("rows not a range", Handle(containers._rebuild_list, s._block.mem, [1, 2])))
     mem = _writable_copy(d)
     fields = _header(mem)
-    mem[slice(*_span(fields, datasets.ROWS))].view(np.int64)[3] = 99
-    cases.append(("a key's row", Handle(datasets._rebuild_dict, mem)))
+    mem[slice(*_span(fields, block.ROWS))].view(np.int64)[3] = 99
+    cases.append(("a key's row", Handle(containers._rebuild_dict, mem)))
     for change, handle in cases:
         with pytest.raises(mp.ProtocolError, match="corrupt or hostile"):
             _round_trip(handle)
@@ -343,23 +344,23 @@ def _span(fields, s):
 def test_a_block_changed_after_it_was_attached_is_a_protocol_error_on_reading():
     s = mp.SharedList([(i, np.arange(i + 1.0)) for i in range(20)])
     mem = _writable_copy(s)
-    got = datasets._rebuild_list(mem, None)
+    got = containers._rebuild_list(mem, None)
     assert len(got) == 20 and got[3][0] == 3
     fields = _header(mem)
-    offsets = mem[slice(*_span(fields, datasets.OFFSETS))].view(np.int64)
+    offsets = mem[slice(*_span(fields, block.OFFSETS))].view(np.int64)
     offsets[4] = 1 << 40
     with pytest.raises(mp.ProtocolError, match="record 3"):
         got[3]
-    table = mem[slice(*_span(fields, datasets.BUFTABLE))].view(np.int64)
+    table = mem[slice(*_span(fields, block.BUFTABLE))].view(np.int64)
     table[2 * 9] = -5
     with pytest.raises(mp.ProtocolError, match="buffer 9"):
         got[9]
     d = mp.SharedDict({i: i for i in range(20)})
     mem = _writable_copy(d)
-    got = datasets._rebuild_dict(mem)
+    got = containers._rebuild_dict(mem)
     assert got[7] == 7
     fields = _header(mem)
-    mem[slice(*_span(fields, datasets.DIRECTORY))].view(np.int64)[:] = 1 << 40
+    mem[slice(*_span(fields, block.DIRECTORY))].view(np.int64)[:] = 1 << 40
     with pytest.raises(mp.ProtocolError, match="directory"):
         got[7]
 
@@ -367,14 +368,14 @@ def test_a_block_changed_after_it_was_attached_is_a_protocol_error_on_reading():
 def test_random_damage_to_the_header_and_indexes_never_crashes():
     s = mp.SharedList([(i, f"r{i}", np.arange(i % 5 + 1)) for i in range(30)])
     rng = np.random.default_rng(34)
-    index_end = _header(s._block.mem)[6 + 2 * datasets.KEYS]     # header and int sections
+    index_end = _header(s._block.mem)[7 + 2 * block.KEYS]     # header and int sections
     outcomes = set()
     for _ in range(300):
         mem = _writable_copy(s)
         for at in rng.integers(0, index_end, 3):
             mem[at] = rng.integers(0, 256)
         try:
-            got = datasets._rebuild_list(mem, None)
+            got = containers._rebuild_list(mem, None)
             list(got)
             outcomes.add("read")
         except Exception as e:          # any exception: what must not happen is a crash
@@ -390,8 +391,10 @@ def test_live_lists_each_block_once_for_doctor():
     views = [s[1:], s[::2], _round_trip(s)]
     d = mp.SharedDict({"a": 1})
     found = sorted(datasets.live(), key=lambda e: e["kind"])
-    assert found == [{"kind": "SharedDict", "records": 1, "bytes": d.nbytes},
-                     {"kind": "SharedList", "records": 1000, "bytes": s.nbytes}]
+    assert found == [{"kind": "SharedDict", "records": 1, "bytes": d.nbytes, "objects": 0,
+                      "objects_read": False},
+                     {"kind": "SharedList", "records": 1000, "bytes": s.nbytes, "objects": 0,
+                      "objects_read": False}]
     line = doctor._shared_datasets({"datasets": found})
     assert line == (f"; shared datasets: SharedDict of 1 records ({doctor._fmt_size(d.nbytes)}), "
                     f"SharedList of 1000 records ({doctor._fmt_size(s.nbytes)})")
@@ -465,8 +468,7 @@ def test_nothing_is_left_after_the_container_goes(strategy):
     s = mp.SharedList(dw.make_records(20_000))
     d = mp.SharedDict(dw.make_mapping(20_000))
     assert s.nbytes > 1 << 20                                 # a segment of its own
-    if strategy == "file_system":
-        assert len(shm_files() - before) == 2
+    assert shm_files() == before            # sealed memfds under both strategies: no name
     kept = s[10][3]                      # an array of a record keeps the block's memory
     del s, d
     gc.collect()
@@ -533,7 +535,8 @@ def test_doctor_lists_the_datasets_another_process_holds():
         def listed():
             return [q["datasets"] for q in doctor.survey_processes() if q["pid"] == p.pid]
         assert eventually(lambda: listed() == [[{"kind": "SharedList", "records": 1000,
-                                                  "bytes": nbytes}]], TIMEOUT), listed()
+                                                  "bytes": nbytes, "objects": 0,
+                                                  "objects_read": False}]], TIMEOUT), listed()
     finally:
         p.kill()
         p.wait(TIMEOUT)
@@ -862,7 +865,8 @@ def test_a_killed_program_with_dataloader_workers_leaves_nothing(tmp_path):
             pids = [int(x) for x in line.split()]
             assert len(pids) == 3, (f"the program did not start its workers: {line!r}\n"
                                     f"{(tmp_path / 'stderr').read_text()}")
-            assert [n for n in os.listdir(shm) if n.startswith(segment.PREFIX)]
+            with open(f"/proc/{proc.pid}/maps") as f:       # the dataset: sealed memfds
+                assert "/memfd:sharedmp-sealed" in f.read()
         finally:
             proc.kill()                         # SIGKILL: the program alone, not its workers
             proc.wait(TIMEOUT)

@@ -533,8 +533,9 @@ FD_KINDS = {
     "sealed memfd": (lambda: sealed_memfd(4096), "ok"),
     "empty sealed memfd": (lambda: sealed_memfd(0), "not a shared-memory segment"),
     "unsealed memfd": (lambda: sealed_memfd(4096, seals=0), "not a sealed"),
+    # (a shared dataset's block: mapped copy-on-write)
     "memfd sealed against writes": (lambda: sealed_memfd(4096, seals=SEALS | fcntl.F_SEAL_WRITE),
-                                    "cannot be mapped"),
+                                    "ok"),
     "memfd sealed against future writes": (lambda: sealed_memfd(4096, seals=SEALS | F_SEAL_FUTURE_WRITE),
                                            "cannot be mapped"),
     "read-only sealed memfd": (lambda: _reopen_readonly(sealed_memfd(4096)), "cannot be mapped"),

@@ -395,7 +395,16 @@ def _shared_datasets(p):
     if not p.get("datasets"):
         return ""
     return "; shared datasets: " + ", ".join(
-        f"{d['kind']} of {d['records']} records ({_fmt_size(d['bytes'])})" for d in p["datasets"])
+        f"{d['kind']} of {d['records']} records ({_fmt_size(d['bytes'])}{_objects(d)})"
+        for d in p["datasets"])
+
+
+def _objects(d):
+    """What a dataset's records share: stored once, held unpickled by a process once read."""
+    if not d.get("objects"):
+        return ""
+    return (f"; {d['objects']} objects its records share, "
+            f"{'held' if d.get('objects_read') else 'not read'} here")
 
 
 def check_processes():

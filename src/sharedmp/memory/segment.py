@@ -396,10 +396,12 @@ def live_segments() -> list[Segment]:
         return list(_by_key.values())
 
 
-def _map(fd, size):
+def _map(fd, size, private=False):
     # Python's mmap keeps a dup of the fd for as long as the mapping lives (3.13 adds
-    # trackfd=False to avoid it); the segment's own fd stays with the Segment.
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    # trackfd=False to avoid it); the segment's own fd stays with the Segment. ``private``:
+    # copy-on-write (a sealed segment: ``create_sealed``).
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def _reserve(fd, size, what, hint):
@@ -468,6 +470,11 @@ def create(size: int, kind: str, zero: bool = True,
 
 
 def _create(size, kind, revivable=False):
+    _check_available(size)
+    return _create_memfd(size) if kind == "file_descriptor" else _create_named(size, revivable)
+
+
+def _check_available(size):
     # Checked before fallocate: a memfd bigger than memory would wake the OOM killer
     # instead of failing. A fresh reading for big requests, a recent one for small.
     avail = available_memory() if size >= 16 << 20 else available_memory_cached()
@@ -476,7 +483,6 @@ def _create(size, kind, revivable=False):
             f"cannot reserve {format_size(size)} of shared memory: this machine has only "
             f"{format_size(avail)} available (MemAvailable + SwapFree, within the cgroup limit). "
             "Use smaller arrays, free memory, or allocate in chunks.")
-    return _create_memfd(size) if kind == "file_descriptor" else _create_named(size, revivable)
 
 
 def _too_many_files(what):
@@ -499,6 +505,60 @@ def _create_memfd(size):
         os.close(fd)
         raise
     return _adopt_memfd(size, mm, fd, reused=False, zero=False)
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# A sealed segment can be written by no one once made: its memfd carries F_SEAL_WRITE.
+SEALED = SEALS | (fcntl.F_SEAL_WRITE if HAVE_MEMFD else 0)
+
+
+def create_sealed(size: int, fill: Any) -> SegmentMapping:
+    """A segment of ``size`` bytes that ``fill(view)`` writes once (``view``: a writable
+    memoryview, to be let go before it returns) and that no process can write after; returns
+    this process's mapping.
+
+    What shared datasets are made of (``datasets/``): a memfd sealed against writes once
+    filled, so that no process, of this program or any other of the user (through
+    ``/proc/<pid>/fd``), can change what readers unpickle. Every process maps it
+    copy-on-write (``MAP_PRIVATE``), this one too: the pages are shared until a process
+    writes one, and what it writes stays its own, as with data each process had a copy of.
+    Without memfd (macOS) it is an ordinary segment of the current strategy, written in place
+    and writable by any process of the user (SECURITY.md)."""
+    if not HAVE_MEMFD:
+        from ..strategy import get_sharing_strategy
+        mm = create(size, get_sharing_strategy(), zero=False)[1]
+        with memoryview(mm).cast("B") as view:  # type: ignore[arg-type]  # (a uint8 lease)
+            fill(view)
+        return mm
+    _check_available(size)
+    try:
+        fd = os.memfd_create("sharedmp-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as e:
+        raise (_too_many_files("create") if e.errno == errno.EMFILE else e) from None
+    try:
+        _reserve(fd, size, "an anonymous memfd segment",
+                 "Free memory or share less; memfd memory counts against RAM and the cgroup "
+                 "limit.")
+        with _map(fd, size) as writable:
+            with memoryview(writable) as view:
+                fill(view)
+        # (F_SEAL_WRITE needs no writable shared mapping left: the one above is unmapped)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED)
+        mm = _map(fd, size, private=True)
+        # Map the pages written here, without copying them (MADV_POPULATE_READ, Linux 5.14):
+        # this process holds them as it did through the writable mapping, and they count in
+        # its Pss, shared with its readers, rather than in the first reader's alone.
+        try:
+            mm.madvise(_MADV_POPULATE_READ)
+        except OSError:
+            pass
+    except BaseException:
+        os.close(fd)
+        raise
+    st = os.fstat(fd)
+    seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, fd, None, mm, owner=True)
+    _register(seg, mm)
+    return mm
 
 
 def _adopt_memfd(size, mm, private, reused, zero):
@@ -610,19 +670,20 @@ def attach_fd(fd: int) -> SegmentMapping:
     if HAVE_MEMFD and not sealed(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
         raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
                            "it under this process (SIGBUS), so it is refused")
+    # sealed against writes (``create_sealed``): mapped copy-on-write, as its maker maps it
+    private = HAVE_MEMFD and sealed(fd, fcntl.F_SEAL_WRITE)
     try:
         own = os.dup(fd)
     except OSError as e:
         raise (_too_many_files("map") if e.errno == errno.EMFILE else e) from None
     try:
-        mm = _map(own, st.st_size)
+        mm = _map(own, st.st_size, private)
     except OSError as e:          # sealed against writing, opened read-only, ...: not one of ours
         os.close(own)
         if e.errno == errno.EMFILE:
             raise _too_many_files("map") from None
         raise SegmentError(f"received fd cannot be mapped for reading and writing ({e.strerror}): "
-                           "not a sharedmp segment, or one opened read-only or sealed against "
-                           "writes") from None
+                           "not a sharedmp segment, or one opened read-only") from None
     except BaseException:
         os.close(own)
         raise
