@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
+from .. import forks
 from ..errors import ProtocolError
 from ..memory import cache, segment
 
@@ -469,6 +470,7 @@ class _Referring(pickle.Unpickler):
 
 
 _objects_lock = threading.Lock()
+forks.renew_locks(globals(), "_objects_lock")     # (another thread may hold it at a fork)
 
 
 def _load_referring(store: Store, data: memoryview, buffers: list[memoryview]) -> Any:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 _ALIGN = 64
 
 
-class Left(Exception):
+class _Left(Exception):
     """An attribute left as it is, and why."""
 
 
@@ -120,11 +120,11 @@ def frame_copy(value: Any) -> tuple[Any, int, int]:
     try:
         p.pickler().dump(value)
     except Exception as e:
-        raise Left(f"cannot be pickled ({type(e).__name__}: {e})") from None
+        raise _Left(f"cannot be pickled ({type(e).__name__}: {e})") from None
     if not p.buffers:
-        raise Left("holds no buffers (Python objects only): nothing to share")
+        raise _Left("holds no buffers (Python objects only): nothing to share")
     if all(_in_shared_memory(raw) for _, raw in p.buffers):
-        raise Left("shared already (its buffers lie in shared memory)")
+        raise _Left("shared already (its buffers lie in shared memory)")
     table, total = place_buffers(p.buffers)
     places = table.tolist()
 
@@ -153,7 +153,7 @@ def polars_copy(value: Any) -> tuple[Any, int, int]:
     try:
         table = polars_reduction.to_arrow(value.to_frame() if series else value)
     except Exception as e:           # (an Object column)
-        raise Left(f"Polars cannot export it to Arrow ({type(e).__name__}: {e})") from None
+        raise _Left(f"Polars cannot export it to Arrow ({type(e).__name__}: {e})") from None
     shared_table, nbytes, inband = frame_copy(table)
     shared: Any = pl.from_arrow(shared_table, rechunk=False)
     if series:
@@ -162,5 +162,5 @@ def polars_copy(value: Any) -> tuple[Any, int, int]:
     else:
         same = shared.schema == value.schema
     if not same:
-        raise Left("Polars rebuilds it from Arrow with other types: left as it was")
+        raise _Left("Polars rebuilds it from Arrow with other types: left as it was")
     return shared, nbytes, inband

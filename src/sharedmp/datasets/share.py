@@ -23,9 +23,8 @@ from typing import Any, List, Literal, NamedTuple, TypeVar, overload
 import numpy as np
 
 from ..memory import segment
-from . import copies
 from .containers import SharedDict, SharedList
-from .copies import Left as _Left
+from .copies import _Left, copy_arrays, frame_copy, groups, polars_copy
 
 _T = TypeVar("_T")
 
@@ -73,7 +72,7 @@ class ShareReport(List[Entry]):
 
 
 DEFAULT_THRESHOLD = 1 << 20
-_log = logging.getLogger("sharedmp.datasets")      # (the name the docs give)
+_log = logging.getLogger(__name__)         # (under the "sharedmp.datasets" logger)
 _SAMPLE = 32                 # records sampled to estimate the size of a list, tuple or dict
 _MAX_DEPTH = 8               # nested datasets walked (Subset of a ConcatDataset of ...)
 _INBAND_NOTE = 64 << 10      # a frame's bytes pickled in band that the report mentions
@@ -366,7 +365,7 @@ class _Sharer:
         if not pending:
             return
         chosen, names = [], {}
-        for group in copies.groups([p.array for p in pending]):
+        for group in groups([p.array for p in pending]):
             members = sorted((pending[i] for i in group), key=lambda p: p.entries[0])
             if any(p.force or p.array.nbytes >= self.threshold for p in members):
                 chosen.append(members)
@@ -380,7 +379,7 @@ class _Sharer:
         for members in chosen:
             together.append(list(range(at, at + len(members))))
             at += len(members)
-        made = copies.copy_arrays([p.array for p in flat], together)
+        made = copy_arrays([p.array for p in flat], together)
         for p, copy in zip(flat, made):
             p.copy = copy
         for members in chosen:
@@ -422,9 +421,9 @@ class _Sharer:
     def frame(self, value: Any, frame: str) -> tuple[Any, str, int, str]:
         self.small(_estimate(value))
         if frame == "polars":
-            shared, nbytes, inband = copies.polars_copy(value)
+            shared, nbytes, inband = polars_copy(value)
         else:
-            shared, nbytes, inband = copies.frame_copy(value)
+            shared, nbytes, inband = frame_copy(value)
         what = {"pandas": "NumPy columns writable, each process's writes its own; Arrow ones "
                           "read-only",
                 "arrow": "read-only, as Arrow data is", "polars": "read-only"}[frame]
