@@ -198,6 +198,14 @@ class _TrackingTorchPickler(_Tracking, _TorchPickler):
     pass
 
 
+def _tracking(p: Entries, cls: type[Any], out: io.BytesIO | None, seen: dict[int, Any],
+              found: dict[int, int]) -> Any:
+    """A tracking pickler of ``p``'s entries (into ``out``), sharing ``seen`` and ``found``."""
+    pickler = p.pickler(cls, out)
+    pickler.entries, pickler.seen, pickler.found, pickler.dirty = p, seen, found, set()
+    return pickler
+
+
 def _floor() -> int:
     """The reference count ``persistent_id`` sees of an object that a single container refers
     to (the least over the containers pickle walks): one more reference means another holder."""
@@ -231,8 +239,7 @@ def pickle_records(records: Iterable[Any],
     p = Entries()
     torch = "torch" in sys.modules
     plain = p.pickler()         # for records whose parts are all values: at C speed
-    tracking = p.pickler(_TrackingTorchPickler if torch else _TrackingPickler)
-    tracking.entries, tracking.seen, tracking.found, tracking.dirty = p, {}, {}, set()
+    tracking = _tracking(p, _TrackingTorchPickler if torch else _TrackingPickler, None, {}, {})
     seq = records if type(records) in (list, tuple) else None
     it = iter(records)
     held: dict[int, Any] = {}          # records to pickle again, when ``records`` is no list
@@ -286,8 +293,7 @@ def _finish_objects(p: Entries, tracking: Any, records: Any, flags: list[int],
     again: dict[int, tuple[bytes, list[tuple[int, memoryview]]]] = {}
     for i in sorted(tracking.dirty):
         out, mark = io.BytesIO(), len(p.buffers)
-        pickler = p.pickler(type(tracking), out)
-        pickler.entries, pickler.seen, pickler.found = p, tracking.seen, tracking.found
+        pickler = _tracking(p, type(tracking), out, tracking.seen, tracking.found)
         pickler.frozen, pickler.top, pickler.record, p.i = True, records[i], i, i
         try:
             pickler.dump(records[i])
@@ -423,6 +429,7 @@ def load(store: Store, i: int) -> Any:
     flags = store.flags
     if flags is not None and flags[i]:
         return _load_referring(store, *_entry(store, i))
+    # (``_entry``'s steps, inline: this is every read of a record that refers to nothing)
     offsets = store.offsets
     start, end = offsets[i], offsets[i + 1]
     data = store.data

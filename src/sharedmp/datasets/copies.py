@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..memory import segment
-from ..memory.views import extent
+from ..memory.views import extent, mostly_gaps
 from .block import Entries, place_buffers
 
 if TYPE_CHECKING:
@@ -57,24 +57,27 @@ def groups(arrays: list[NDArray[Any]]) -> list[list[int]]:
 def copy_arrays(arrays: list[NDArray[Any]], together: list[list[int]]) -> list[NDArray[Any]]:
     """Copies of ``arrays`` in one sealed block, in the order given: the arrays of a group of
     ``together`` view one copy of the bytes they span, with their own offsets and strides.
-    A group whose span is more than twice its arrays' bytes (``a[::1000]``) has each array
-    copied packed instead (views of one another no more)."""
+    A group whose span is mostly gaps (``a[::1000]``) has each array copied packed instead
+    (views of one another no more)."""
+    bounds = [_bounds(a) if a.nbytes else (0, 0) for a in arrays]
     plan = []                      # (start, size, lo, [(index, packed)])
     size = 0
+
+    def place(n: int, lo: int, members: list[tuple[int, bool]]) -> None:
+        nonlocal size
+        plan.append((size, n, lo, members))
+        size = (size + n + _ALIGN - 1) & ~(_ALIGN - 1)
+
     for group in together:
-        lo = min(_bounds(arrays[i])[0] for i in group) if arrays[group[0]].nbytes else 0
-        hi = max(_bounds(arrays[i])[1] for i in group) if arrays[group[0]].nbytes else 0
-        if hi - lo <= 2 * sum(arrays[i].nbytes for i in group) + 4096:
-            plan.append((size, hi - lo, lo, [(i, False) for i in group]))
-            size = (size + hi - lo + _ALIGN - 1) & ~(_ALIGN - 1)
+        lo = min(bounds[i][0] for i in group)
+        hi = max(bounds[i][1] for i in group)
+        if not mostly_gaps(hi - lo, sum(arrays[i].nbytes for i in group)):
+            place(hi - lo, lo, [(i, False) for i in group])
             continue
         for i in group:
-            a = arrays[i]
-            a_lo, a_hi = _bounds(a)
-            packed = a_hi - a_lo > 2 * a.nbytes + 4096
-            n = a.nbytes if packed else a_hi - a_lo
-            plan.append((size, n, a_lo, [(i, packed)]))
-            size = (size + n + _ALIGN - 1) & ~(_ALIGN - 1)
+            (a_lo, a_hi), nbytes = bounds[i], arrays[i].nbytes
+            packed = mostly_gaps(a_hi - a_lo, nbytes)
+            place(nbytes if packed else a_hi - a_lo, a_lo, [(i, packed)])
 
     def fill(dst: memoryview) -> None:
         for start, n, lo, members in plan:

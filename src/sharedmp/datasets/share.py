@@ -23,6 +23,7 @@ from typing import Any, List, Literal, NamedTuple, TypeVar, overload
 import numpy as np
 
 from ..memory import segment
+from .block import shared_nbytes
 from .containers import SharedDict, SharedList
 from .copies import _Left, copy_arrays, frame_copy, groups, polars_copy
 
@@ -440,7 +441,6 @@ def _objects_note(shared: Any) -> str:
     store = shared._block.store
     if not store.nobjects:
         return ""
-    from .block import shared_nbytes
     return (f"; {store.nobjects} objects several records refer to stored once "
             f"({_size(shared_nbytes(store))}), read once by each process that needs them")
 

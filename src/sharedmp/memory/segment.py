@@ -491,14 +491,24 @@ def _too_many_files(what):
                    "(arrays below 1 MiB share a few segments)")
 
 
-def _create_memfd(size):
-    if not HAVE_MEMFD:
-        raise OSError("the file_descriptor strategy needs memfd_create (Linux); use 'file_system'")
-    fd = os.memfd_create("sharedmp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def _new_memfd(name, size):
+    """A memfd of ``size`` bytes, reserved (``OutOfSharedMemory``), its seals still to add."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         _reserve(fd, size, "an anonymous memfd segment",
                  "Free memory or use smaller arrays; memfd memory counts against RAM and the "
                  "cgroup limit.")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _create_memfd(size):
+    if not HAVE_MEMFD:
+        raise OSError("the file_descriptor strategy needs memfd_create (Linux); use 'file_system'")
+    fd = _new_memfd("sharedmp", size)
+    try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         mm = _map(fd, size)
     except BaseException:
@@ -532,13 +542,10 @@ def create_sealed(size: int, fill: Any) -> SegmentMapping:
         return mm
     _check_available(size)
     try:
-        fd = os.memfd_create("sharedmp-sealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = _new_memfd("sharedmp-sealed", size)
     except OSError as e:
         raise (_too_many_files("create") if e.errno == errno.EMFILE else e) from None
     try:
-        _reserve(fd, size, "an anonymous memfd segment",
-                 "Free memory or share less; memfd memory counts against RAM and the cgroup "
-                 "limit.")
         with _map(fd, size) as writable:
             with memoryview(writable) as view:
                 fill(view)
@@ -643,10 +650,18 @@ def _adopt_named(size, mm, path, reused, zero, revivable, address=None):
 def sealed(fd, seals):
     """Whether the file ``fd`` carries all of ``seals`` (F_SEAL_*): a memfd whose size a peer
     cannot change under this process. False for anything that is not a memfd."""
+    return _seals(fd) & seals == seals
+
+
+def _seals(fd):
+    """The seals of ``fd`` (0 for anything that is not a memfd)."""
     try:
-        return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & seals == seals
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
-        return False
+        return 0
+
+
+_SIZE_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) if HAVE_MEMFD else 0
 
 
 def attach_fd(fd: int) -> SegmentMapping:
@@ -667,18 +682,19 @@ def attach_fd(fd: int) -> SegmentMapping:
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular "
                            "file)")
-    if HAVE_MEMFD and not sealed(fd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+    seals = _seals(fd) if HAVE_MEMFD else 0
+    if HAVE_MEMFD and seals & _SIZE_SEALS != _SIZE_SEALS:
         raise SegmentError("received fd is not a sealed sharedmp segment: a peer could truncate "
                            "it under this process (SIGBUS), so it is refused")
     # sealed against writes (``create_sealed``): mapped copy-on-write, as its maker maps it
-    private = HAVE_MEMFD and sealed(fd, fcntl.F_SEAL_WRITE)
+    private = bool(seals & fcntl.F_SEAL_WRITE)
     try:
         own = os.dup(fd)
     except OSError as e:
         raise (_too_many_files("map") if e.errno == errno.EMFILE else e) from None
     try:
         mm = _map(own, st.st_size, private)
-    except OSError as e:          # sealed against writing, opened read-only, ...: not one of ours
+    except OSError as e:          # opened read-only, sealed against future writes: not ours
         os.close(own)
         if e.errno == errno.EMFILE:
             raise _too_many_files("map") from None

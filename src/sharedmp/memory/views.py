@@ -55,6 +55,12 @@ def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> t
     return lo, hi + itemsize
 
 
+def mostly_gaps(span: int, nbytes: int) -> bool:
+    """Whether a copy of the ``span`` bytes that views of ``nbytes`` bytes lie in would be
+    mostly gaps (``a[::1000]``): then the elements are copied packed, not the span as it lies."""
+    return span > 2 * nbytes + 4096
+
+
 def copy_to_shared(a: NDArray[Any]) -> NDArray[Any]:
     """A shared copy of ``a`` with the same strides where that costs at most twice its bytes."""
     if a.dtype.hasobject:
@@ -63,7 +69,7 @@ def copy_to_shared(a: NDArray[Any]) -> NDArray[Any]:
     lo, end = extent(a.shape, a.strides, a.itemsize)
     strategy = get_sharing_strategy()
     out: NDArray[Any]
-    if end - lo > 2 * a.nbytes + 4096:   # e.g. a[::1000]: copy the elements, not the gaps
+    if mostly_gaps(end - lo, a.nbytes):   # e.g. a[::1000]: copy the elements, not the gaps
         mapping, offset = arena.allocate(a.nbytes, strategy, zero=False)
         out = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=offset)
     else:
