@@ -85,9 +85,9 @@ def copy_arrays(arrays: list[NDArray[Any]], together: list[list[int]]) -> list[N
                 continue
             if members[0][1]:                       # packed: the elements, in C order
                 a = arrays[members[0][0]]
-                out = np.ndarray(a.shape, a.dtype, buffer=dst, offset=start)
-                np.copyto(out, a, casting="no")
-                del out
+                packed: Any = np.ndarray(a.shape, a.dtype, buffer=dst, offset=start)
+                np.copyto(packed, a, casting="no")
+                del packed
             else:                                   # the bytes spanned, as they lie
                 dst[start:start + n] = memoryview((ctypes.c_char * n).from_address(lo)).cast("B")
 
@@ -96,6 +96,7 @@ def copy_arrays(arrays: list[NDArray[Any]], together: list[list[int]]) -> list[N
     for start, _, lo, members in plan:
         for i, packed in members:
             a = arrays[i]
+            copy: Any
             if packed or not a.nbytes:
                 copy = np.ndarray(a.shape, a.dtype, buffer=mapping, offset=start)
             else:
