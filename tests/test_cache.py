@@ -67,7 +67,8 @@ def test_empty_cache_gives_everything_back_at_once(shm, strategy):
     at_once, base = r["at_once"], r["base"]
     assert at_once["fds"] <= base["fds"]
     if strategy == "file_descriptor":       # closed and unmapped by the call itself
-        assert at_once["shmem"] <= base["shmem"] + (8 << 20), r
+        # (this process's mappings: the machine's Shmem also moves with a suite run beside it)
+        assert at_once["mapped"] <= base["mapped"], r
     assert r["took"] is not None and r["took"] <= 0.5, r    # named: the daemon unlinks in ms
 
 
