@@ -183,7 +183,7 @@ def _shared_records(draw):
     return [tuple(draw(st.lists(part, max_size=4))) for _ in range(n)]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_shared_records(), st.booleans())
 def test_records_read_back_share_objects_as_the_list_did(records, generator):
     s = mp.SharedList(iter(records) if generator else records)

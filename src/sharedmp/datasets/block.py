@@ -151,30 +151,32 @@ class _Tracking:
     each of them, once found, as a persistent id: its place in ``objects``.
 
     An object is met first in one record, pickled there; met again in another, it joins
-    ``objects`` and the first record is marked ``dirty``, to be pickled again. Only objects
-    some other reference holds are looked at (their reference count says so: ``_FLOOR``),
-    and each one looked at is held (``seen``) until the block is built, so that no id is
-    reused by another object meanwhile."""
+    ``objects`` and the first record is marked ``dirty``, to be pickled again. The pickle of
+    the objects themselves is one more place (``OBJECTS``): an object met there and in a
+    record is found shared too. Only objects some other reference holds are looked at (their
+    reference count says so: ``_FLOOR``), and each one looked at is held (``seen``) until the
+    block is built, so that no id is reused by another object meanwhile."""
 
     entries: Entries
     top: Any = None                    # the record itself: a record is always its own copy
-    record = 0
-    seen: dict[int, tuple[int, Any]]   # id -> (first record, the object)
+    record = 0                         # the place being pickled: a record, or OBJECTS
+    seen: dict[int, tuple[int, Any]]   # id -> (first place, the object)
     found: dict[int, int]              # id -> place in ``objects``
     dirty: set[int]
     refers = False                     # the record being pickled refers to objects
     tracked = False                    # ... holds an object in ``seen``
-    frozen = False                     # pickling again: refer to what was found, find none
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) in _ATOMIC or obj is self.top:
             return None
         j = self.found.get(id(obj))
         if j is not None:
+            if self.record == OBJECTS:  # the objects' own pickle holds each of them
+                return None
             self.refers = True
             return j
         # (nothing above binds ``obj`` to another name: the count is the one _FLOOR measured)
-        if sys.getrefcount(obj) <= _FLOOR or self.frozen or isinstance(obj, _BY_NAME):
+        if sys.getrefcount(obj) <= _FLOOR or isinstance(obj, _BY_NAME):
             return None
         first = self.seen.get(id(obj))
         if first is None:
@@ -186,8 +188,13 @@ class _Tracking:
         j = self.found[id(obj)] = len(self.entries.objects)
         self.entries.objects.append(obj)
         self.dirty.add(first[0])
+        if self.record == OBJECTS:
+            return None
         self.refers = True
         return j
+
+
+OBJECTS = -1                           # (_Tracking) the place of the objects' own pickle
 
 
 class _TrackingPickler(_Tracking, pickle.Pickler):
@@ -199,10 +206,10 @@ class _TrackingTorchPickler(_Tracking, _TorchPickler):
 
 
 def _tracking(p: Entries, cls: type[Any], out: io.BytesIO | None, seen: dict[int, Any],
-              found: dict[int, int]) -> Any:
-    """A tracking pickler of ``p``'s entries (into ``out``), sharing ``seen`` and ``found``."""
+              found: dict[int, int], dirty: set[int]) -> Any:
+    """A tracking pickler of ``p``'s entries (into ``out``), sharing the others' state."""
     pickler = p.pickler(cls, out)
-    pickler.entries, pickler.seen, pickler.found, pickler.dirty = p, seen, found, set()
+    pickler.entries, pickler.seen, pickler.found, pickler.dirty = p, seen, found, dirty
     return pickler
 
 
@@ -239,7 +246,8 @@ def pickle_records(records: Iterable[Any],
     p = Entries()
     torch = "torch" in sys.modules
     plain = p.pickler()         # for records whose parts are all values: at C speed
-    tracking = _tracking(p, _TrackingTorchPickler if torch else _TrackingPickler, None, {}, {})
+    tracking = _tracking(p, _TrackingTorchPickler if torch else _TrackingPickler, None, {}, {},
+                         set())
     seq = records if type(records) in (list, tuple) else None
     it = iter(records)
     held: dict[int, Any] = {}          # records to pickle again, when ``records`` is no list
@@ -287,22 +295,34 @@ def pickle_records(records: Iterable[Any],
 def _finish_objects(p: Entries, tracking: Any, records: Any, flags: list[int],
                     name: Callable[[int], str]) -> None:
     """Pickle again the records that held an object found shared later (``dirty``), and the
-    objects, as entry n."""
+    objects, as entry n; again until no place holds a copy of an object another place holds
+    (an object inside a shared one that a record holds too is shared as well)."""
     n = p.i
-    tracking.frozen = True
+    seen, found, refers = tracking.seen, tracking.found, set(flags)
     again: dict[int, tuple[bytes, list[tuple[int, memoryview]]]] = {}
-    for i in sorted(tracking.dirty):
-        out, mark = io.BytesIO(), len(p.buffers)
-        pickler = _tracking(p, type(tracking), out, tracking.seen, tracking.found)
-        pickler.frozen, pickler.top, pickler.record, p.i = True, records[i], i, i
-        try:
-            pickler.dump(records[i])
-        except Exception as e:
-            raise unpicklable(name(i), e) from e
-        again[i] = (out.getvalue(), p.buffers[mark:])
-        del p.buffers[mark:]
-        if pickler.refers:
-            flags.append(i)
+    dirty = tracking.dirty | {OBJECTS}
+    while dirty:
+        # What the places to pickle again held is met anew there (or not, now behind a ref).
+        for key in [key for key, (place, _) in seen.items() if place in dirty]:
+            del seen[key]
+        places, dirty = sorted(dirty), set()
+        for i in places:
+            out, mark = io.BytesIO(), len(p.buffers)
+            pickler = _tracking(p, type(tracking), out, seen, found, dirty)
+            obj = p.objects if i == OBJECTS else records[i]
+            pickler.top, pickler.record, p.i = obj, i, n if i == OBJECTS else i
+            try:
+                pickler.dump(obj)       # (the objects: one pickle, what they share stays shared)
+            except Exception as e:
+                raise unpicklable("an object several records refer to" if i == OBJECTS
+                                  else name(i), e) from e
+            again[i] = (out.getvalue(), p.buffers[mark:])
+            del p.buffers[mark:]
+            if pickler.refers:
+                refers.add(i)
+        if dirty:
+            dirty.add(OBJECTS)          # (its pickle holds every object: again, with the new)
+    objects = again.pop(OBJECTS)
     if again:                          # the stream with those records in their new form
         old, offsets = p.out.getbuffer(), np.frombuffer(p.offsets, np.int64)
         lengths = np.diff(offsets)
@@ -319,13 +339,10 @@ def _finish_objects(p: Entries, tracking: Any, records: Any, flags: list[int],
         p.buffers.extend(b for _, bufs in again.values() for b in bufs)
         p.buffers.sort(key=lambda b: b[0])          # (stable: each entry's in its order)
     p.i = n
-    try:
-        p.pickler().dump(p.objects)     # one pickle: what they share stays shared
-    except Exception as e:
-        raise unpicklable("an object several records refer to", e) from e
-    p.append()
+    p.append(objects[0])
+    p.buffers.extend(objects[1])                    # (entry n: the last)
     p.flags = bytearray(n)
-    for i in flags:
+    for i in refers:
         p.flags[i] = 1
 
 
