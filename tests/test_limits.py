@@ -241,8 +241,18 @@ def test_a_daemon_out_of_fds_refuses_new_clients_clearly_and_serves_the_others()
         def clear_error():
             manager._hello(manager.address())
         attempt("hello while full", clear_error)
+        # Freed and asked at once: the daemon stopped while the held clients leave and a new
+        # one connects, so it sees both in one wake-up; the new one is taken, not refused.
+        import signal
+        os.kill(pid, signal.SIGSTOP)
         for s in held:
             s.close()
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(manager.address())
+        s.settimeout(30)
+        os.kill(pid, signal.SIGCONT)
+        out["freed and asked"] = s.recv(4096).decode()
+        s.close()
         got = [int(q.get(timeout=30)[0]) for _ in range(100)]
         out["received"] = got == list(range(100))
         attempt("served after", lambda: [q.put(mp.full(1 << 18, 1.0)), q.get(timeout=30)])
@@ -252,6 +262,7 @@ def test_a_daemon_out_of_fds_refuses_new_clients_clearly_and_serves_the_others()
     assert out["refused_after"] > 10, out
     hello = out["hello while full"]
     assert hello.startswith("ManagerError") and "ulimit -n" in hello and "(48)" in hello, hello
+    assert out["freed and asked"].startswith("OK "), out
     assert out["received"] and out["served after"] == "ok" and out["daemon"], out
 
 

@@ -149,9 +149,10 @@ How it fails:
   (and empties the killed daemon's pool directory). While it lives, the daemon holds an fd
   of each segment with references in flight (within a quarter of its fd limit), so doctor
   does not remove one that a message still carries.
-- Out of fds (EMFILE, ENFILE): it answers a client it cannot take ``FULL <why>`` on a spare
-  fd kept for that (the client raises ``ManagerError`` naming the limit and ``ulimit -n``),
-  and serves the others.
+- Out of fds (EMFILE, ENFILE): a client it still cannot take after one more pass (which
+  drops the clients that have gone) it answers ``FULL <why>`` on a spare fd kept for that
+  (the client raises ``ManagerError`` naming the limit and ``ulimit -n``), and serves the
+  others.
 """
 import array
 import collections
@@ -250,6 +251,7 @@ class Daemon:
         self.fd_budget = max(0, limit // 4 - 16)   # fds of segments in flight (see ``S``)
         self.held_fds = 0
         self.spare = _spare()      # closed to answer a client when out of fds (``accept``)
+        self.full_once = False     # accept found no fd once: refuse if so after the next pass
 
     # -- records ---------------------------------------------------------------------
     def _segment(self, path, create):
@@ -478,8 +480,13 @@ class Daemon:
             return
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE):
-                self.refuse(e)
+                # Clients that have gone are dropped (their fds closed) by the pass after this
+                # select: try once more then, so a client is not refused for fds being freed.
+                if self.full_once:
+                    self.refuse(e)
+                self.full_once = not self.full_once
             return
+        self.full_once = False
         sock.setblocking(False)
         if peer_uid(sock) not in (None, self.uid):
             try:
