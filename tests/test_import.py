@@ -72,3 +72,52 @@ def test_forkserver_children_find_sharedmp_imported_by_the_server(tmp_path):
     # The main process and the fork server; none of the 5 children.
     assert imports.count("sharedmp") == 2, imports.count("sharedmp")
     assert imports.count("sharedmp.channels.queues") == 2
+
+
+FIRST_PROGRAM = """
+import sys, warnings
+warnings.simplefilter("error", RuntimeWarning)      # "NumPy support is off" fails the program
+try:
+    __import__(sys.argv[1])
+except ModuleNotFoundError as e:
+    if e.name.split(".")[0] == "sharedmp":
+        raise
+    print("needs", e.name)                          # (torch for hogwild, ...): not here
+    raise SystemExit(0)
+import numpy as np
+import sharedmp as mp
+from sharedmp.memory import views
+a, b = mp.Pipe()
+a.send(np.arange(1 << 17))                          # first array: a pickle
+got = b.recv()
+a.send(np.arange(1 << 17))                          # and then
+again = b.recv()
+print("shared", views.mapping_of(got)[1] is not None, views.mapping_of(again)[1] is not None,
+      int(got.sum()), int(again.sum()))
+"""
+
+
+def _modules_importing_numpy():
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    for root, _, files in os.walk(os.path.join(src, "sharedmp")):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            if name.endswith(".py") and "\nimport numpy as np\n" in open(path).read():
+                rel = os.path.relpath(path, src)[:-3].replace(os.sep, ".")
+                yield rel.removesuffix(".__init__")
+
+
+def test_arrays_are_shared_whichever_sharedmp_module_brings_numpy_in(tmp_path):
+    # A module that imports NumPy as it starts, imported first: NumPy comes in while that
+    # module is half-made, and the reducers (which import it) must still be installed.
+    modules = sorted(_modules_importing_numpy())
+    assert "sharedmp.memory.views" in modules and "sharedmp.arrays" in modules, modules
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_PROGRAM)
+    for module in modules:
+        rc, out, err = run_bounded([sys.executable, str(script), module])
+        assert rc == 0, f"{module}: {err}"
+        last = out.splitlines()[-1]
+        total = (1 << 17) * ((1 << 17) - 1) // 2
+        assert last.startswith("needs ") or last == f"shared True True {total} {total}", \
+            (module, last)

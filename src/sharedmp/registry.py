@@ -37,7 +37,9 @@ its modules runs: a pickle that names one of them imports torch first, which ins
 The NumPy reducers live in ``reductions/ndarray.py``, which imports NumPy as it starts: a
 pickle (or a frame, ``wire.lazy_frame_kind``) that needs it imports it, and NumPy with it,
 in a process that had neither; the installation then waits for that module to be whole (a
-second finder, on the module itself: see ``_when_numpy_is_imported``).
+second finder, on the module itself: see ``_when_numpy_is_imported``). Another sharedmp module
+that imports NumPy as it starts, imported first, is half-made when NumPy is in: the reducers,
+which may import it, are then installed on the first array pickled (``_reduce_ndarray_first``).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 from . import wire
+from ._compat import EXTRA_REDUCERS
 from .channels.connection import Connection, reduce_connection
 from .memory.segment import Segment
 from .reductions.segment import reduce_segment
@@ -88,19 +91,43 @@ def _install_numpy() -> None:
     global _numpy_done
     if _numpy_done:
         return
-    _numpy_done = True
     # Never break `import numpy`: say why arrays are pickled by value instead.
     try:
         import numpy as np
-
-        ndarray = importlib.import_module(NDARRAY_REDUCERS)
+        try:
+            ndarray = importlib.import_module(NDARRAY_REDUCERS)
+        except ImportError:
+            if not _half_made():
+                raise
+            # NumPy came in from a sharedmp module still executing that the reducers import
+            # (``import sharedmp.memory.views`` before NumPy): install them on first use.
+            ForkingPickler.register(np.ndarray, _reduce_ndarray_first)
+            wire.reducers_changed()
+            return
+        _numpy_done = True
         ForkingPickler.register(np.ndarray, ndarray.reduce_ndarray)
         wire.reducers_changed()
         wire.frame_kind(wire.FLAG_ARRAY, ndarray.decode_array,
                         {np.ndarray: ndarray.reduce_ndarray}, ndarray.encode_array)
     except Exception as e:
+        _numpy_done = True
         warnings.warn(f"sharedmp: NumPy support is off, its reducers failed to register: {e!r}",
                       RuntimeWarning, stacklevel=2)
+
+
+def _reduce_ndarray_first(a: Any) -> Any:
+    """The ndarray reducer until the real one is installed (``_install_numpy``), by now."""
+    _install_numpy()
+    reducer = EXTRA_REDUCERS.get(type(a))
+    if reducer is None or reducer is _reduce_ndarray_first:
+        return a.__reduce_ex__(4)            # (NumPy support off, and said so): by value
+    return reducer(a)
+
+
+def _half_made() -> bool:
+    """Whether a sharedmp module is being executed (imported, not yet whole)."""
+    return any(name.startswith("sharedmp.") and _initializing(m)
+               for name, m in list(sys.modules.items()))
 
 
 def _numpy_imported() -> None:
