@@ -69,7 +69,11 @@ def test_empty_cache_gives_everything_back_at_once(shm, strategy):
     if strategy == "file_descriptor":       # closed and unmapped by the call itself
         # (this process's mappings: the machine's Shmem also moves with a suite run beside it)
         assert at_once["mapped"] <= base["mapped"], r
-    assert r["took"] is not None and r["took"] <= 0.5, r    # named: the daemon unlinks in ms
+    else:                                   # the daemon has unlinked them when it returns
+        assert at_once["files"] == [], r
+    # (and the machine's Shmem back too, within the driver's 30 s: how soon is not asserted,
+    # it moves with whatever else the machine runs; seen 8.6 s with CI's two suites at once)
+    assert r["took"] is not None, r
 
 
 @linux_only
