@@ -194,6 +194,50 @@ def test_records_read_back_share_objects_as_the_list_did(records, generator):
     gc.collect()
 
 
+# Chunks of 4,096 records (``block._CHUNK``) of builtin containers of values are pickled
+# apart, at C speed; the others by the tracking pickler. Whole chunks of each kind, in any
+# order (and a last one cut short), must read back as the records, types and sharing kept.
+def _chunk_of(kind, start, size, pool):
+    if kind == "values":
+        makers = [lambda i: (i, f"r{i}", i / 3), lambda i: {"i": i, "b": b"%d" % i},
+                  lambda i: [i, None, True, 1j], lambda i: {i, -i}, lambda i: frozenset((i,)),
+                  lambda i: f"s{i}", lambda i: i, lambda i: ()]
+        return [makers[i % len(makers)](i) for i in range(start, start + size)]
+    if kind == "arrays":
+        return [np.full(3, i) if i % 2 else (i, np.arange(i % 5)) for i in range(start, start + size)]
+    return [(i, pool[i % len(pool)]) for i in range(start, start + size)]      # "shared"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["values", "arrays", "shared"]), min_size=1, max_size=4),
+       st.integers(1, 4096), st.booleans())
+def test_chunks_of_each_kind_read_back_as_the_records(kinds, last, generator):
+    pool = [[1, 2], {"k": [3]}]
+    pool.append((pool[0], pool[1]))
+    records = []
+    for j, kind in enumerate(kinds):
+        size = last if j == len(kinds) - 1 else 4096
+        records += _chunk_of(kind, len(records), size, pool)
+    s = mp.SharedList(iter(records) if generator else records)
+    got = list(s)
+    assert len(got) == len(records)
+    for g, r in zip(got, records):
+        assert type(g) is type(r)
+        if isinstance(r, np.ndarray):
+            assert np.array_equal(g, r)
+        elif isinstance(r, tuple) and r and isinstance(r[-1], np.ndarray):
+            assert g[0] == r[0] and np.array_equal(g[1], r[1])
+        else:
+            assert g == r
+    if "shared" in kinds:
+        shared = [g for g, r in zip(got, records) if isinstance(r, tuple) and len(r) == 2
+                  and any(r[1] is x for x in pool)]
+        assert _labels(shared) == _labels([r for r in records if isinstance(r, tuple)
+                                           and len(r) == 2 and any(r[1] is x for x in pool)])
+    del got, s
+    gc.collect()
+
+
 # -- views and private writes ------------------------------------------------------------------
 
 def test_views_of_one_array_stay_views_of_one_copy():

@@ -84,6 +84,7 @@ def _align(n: int, to: int = _ALIGN) -> int:
 # Objects never stored apart: values (no identity worth keeping, and a str or bytes is copied
 # by value as pickle copies it), and what pickle saves by name or by value alike everywhere.
 _ATOMIC = frozenset({int, float, complex, bool, str, bytes, type(None)})
+_PLAIN = _ATOMIC | {tuple, list, dict, set, frozenset}      # records pickled at C speed
 _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
             types.MethodType, enum.Enum, np.dtype)
 _CHUNK = 4096                    # records looked at together (``pickle_records``)
@@ -245,7 +246,6 @@ def pickle_records(records: Iterable[Any],
     stored once (``Entries.objects``, entry n). ``name(i)`` names record i in errors."""
     p = Entries()
     torch = "torch" in sys.modules
-    plain = p.pickler()         # for records whose parts are all values: at C speed
     tracking = _tracking(p, _TrackingTorchPickler if torch else _TrackingPickler, None, {}, {},
                          set())
     seq = records if type(records) in (list, tuple) else None
@@ -257,18 +257,15 @@ def pickle_records(records: Iterable[Any],
         chunk = list(itertools.islice(it, _CHUNK))
         if not chunk:
             break
-        # Records whose parts are all values (``_ATOMIC``) share nothing: no persistent_id.
-        if set(map(type, gc.get_referents(*chunk))) <= _ATOMIC:
-            start = p.i
-            dump, clear, tell, append = plain.dump, plain.clear_memo, out.tell, offsets.append
-            try:
-                for p.i, record in enumerate(chunk, start):
-                    dump(record)
-                    clear()                # each record stands alone: no memo across records
-                    append(tell())
-            except Exception as e:
-                raise unpicklable(name(p.i), e) from e
-            p.i += 1
+        # Records of builtin containers whose parts are all values (``_ATOMIC``) share
+        # nothing, and have no out-of-band buffer: each its own pickle.dumps, looped in C.
+        if (set(map(type, chunk)) <= _PLAIN
+                and set(map(type, gc.get_referents(*chunk))) <= _ATOMIC):
+            pickles = list(map(pickle.dumps, chunk, itertools.repeat(5)))   # (cannot fail)
+            ends = np.fromiter(map(len, pickles), np.int64, len(pickles)).cumsum()
+            offsets.frombytes((ends + offsets[-1]).tobytes())
+            out.write(b"".join(pickles))
+            p.i += len(chunk)
             continue
         dump, clear = tracking.dump, tracking.clear_memo
         for record in chunk:
