@@ -1,7 +1,7 @@
 """CPython's own multiprocessing tests, with sharedmp's objects in place of the standard ones.
 
-    python tests/_cpython_suite.py [--start-method spawn|fork|forkserver] [--stdlib] [-k PATTERN] [-v]
-    python tests/_cpython_suite.py --futures [--stdlib] [-k PATTERN] [-v]
+    python tests/_cpython_suite.py [--start-method spawn|fork|forkserver] [--stdlib] [-k PATTERN]
+    python tests/_cpython_suite.py --futures [--stdlib] [-k PATTERN]
 
 The first form runs every process-based class of ``test/_test_multiprocessing.py``, the
 module the interpreter ships (nothing of it is copied here): its "processes" flavour
@@ -132,7 +132,6 @@ def _settings(argv):
     p.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
     p.add_argument("--futures", action="store_true", help="test_concurrent_futures' process pools")
     p.add_argument("--stdlib", action="store_true", help="the standard library's objects")
-    p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("-k", dest="pattern", help="run only tests whose name contains this")
     p.add_argument("--skip", action="append", default=[], metavar="NAME",
                    help="leave this test out (repeatable)")
@@ -161,7 +160,8 @@ def main(argv):
     ran = {t.id().rsplit(".", 1)[-1] for t in _tests(suite)}   # (a run suite lets go of them)
     set_up()
     try:
-        runner = unittest.TextTestRunner(verbosity=2 if args.verbose else 1,
+        # (each test named as it starts: a suite stopped by its bound shows the one it was in)
+        runner = unittest.TextTestRunner(verbosity=2,
                                          resultclass=_TimedResult)
         result = runner.run(suite)
     finally:

@@ -74,10 +74,31 @@ def run_bounded(argv, timeout=TIMEOUT, env=None, what=None, cwd=None):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{what or ' '.join(argv)} did not finish within {timeout} s", pytrace=False)
+        out, err = _end_group(proc)
+        pytest.fail(f"{what or ' '.join(argv)} did not finish within {timeout} s; the end of "
+                    f"its output:\n{out[-2000:]}\n{err[-6000:]}", pytrace=False)
     return proc.returncode, out, err
+
+
+def _end_group(proc):
+    """End the process group ``proc`` leads; its output. SIGTERM first, which the standard
+    library's resource tracker ignores: it outlives the others and unlinks the semaphores
+    they leave (SIGKILL alone leaves sem.mp-* files in /dev/shm); SIGKILL after 5 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        out, err = proc.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
+    deadline = time.monotonic() + 5
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)              # (ProcessLookupError once the group is gone)
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return out, err
 
 
 def kill_children():
