@@ -74,31 +74,32 @@ def run_bounded(argv, timeout=TIMEOUT, env=None, what=None, cwd=None):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        out, err = _end_group(proc)
+        end_group(proc)
+        out, err = proc.communicate()
         pytest.fail(f"{what or ' '.join(argv)} did not finish within {timeout} s; the end of "
                     f"its output:\n{out[-2000:]}\n{err[-6000:]}", pytrace=False)
     return proc.returncode, out, err
 
 
-def _end_group(proc):
-    """End the process group ``proc`` leads; its output. SIGTERM first, which the standard
+def end_group(proc, grace=5):
+    """End the process group that Popen ``proc`` leads. SIGTERM first, which the standard
     library's resource tracker ignores: it outlives the others and unlinks the semaphores
-    they leave (SIGKILL alone leaves sem.mp-* files in /dev/shm); SIGKILL after 5 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    they leave (SIGKILL alone leaves sem.mp-* files in /dev/shm); SIGKILL what is left after
+    ``grace`` s. The leader is reaped."""
     try:
-        out, err = proc.communicate(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate()
-    deadline = time.monotonic() + 5
-    try:
-        while time.monotonic() < deadline:
-            os.killpg(proc.pid, 0)              # (ProcessLookupError once the group is gone)
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while proc.poll() is None or not group_gone(proc.pid, wait=0):
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return out, err
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def kill_children():

@@ -16,7 +16,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from sharedmp.memory import cache, segment
 
 import _differential_workers as dw
 import _workers as w
-from conftest import SHARING_STRATEGIES, TIMEOUT, eventually
+from conftest import SHARING_STRATEGIES, TIMEOUT, end_group, eventually
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAREDMP_CHANNELS = ["sharedmp Queue", "sharedmp SimpleQueue", "sharedmp Pipe"]
@@ -51,7 +50,7 @@ def reference():
             try:
                 out, err = proc.communicate(timeout=TIMEOUT)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                end_group(proc)
                 proc.communicate()
                 pytest.fail(f"the reference run did not finish within {TIMEOUT} s", pytrace=False)
             assert proc.returncode == 0, f"the reference run failed:\n{err}"
@@ -59,7 +58,7 @@ def reference():
         return result[0]
     yield get
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        end_group(proc)
         proc.communicate()
 
 

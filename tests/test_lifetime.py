@@ -40,7 +40,6 @@ import json
 import os
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from sharedmp.memory import manager, segment
 from sharedmp import strategy as sharing
 
 from _lifetime_workers import CLASSES
+from conftest import end_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "_lifetime_workers.py")
@@ -124,14 +124,7 @@ class Driver:
         return reply
 
     def kill(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        end_group(self.proc)
 
     def files(self):
         out = []

@@ -23,7 +23,7 @@ from sharedmp.processes import pdeath
 
 import _process_workers as w
 from _helpers import eventually, proc_stat as _stat
-from conftest import TIMEOUT, fork_and_wait, join_or_kill
+from conftest import TIMEOUT, fork_and_wait, join_or_kill, run_bounded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "_orphan_driver.py")
@@ -607,3 +607,30 @@ def test_a_fork_child_collects_an_inherited_cycle_it_drops(make, monkeypatch):
     finally:
         assert join_or_kill(p) == 0
     assert found > 0 and finalized
+
+
+OVERTIME = """
+import time
+import sharedmp as mp
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    q, lock = ctx.Queue(), ctx.Lock()        # named semaphores (sem.mp-*) in /dev/shm
+    p = ctx.Process(target=time.sleep, args=(100,))
+    p.start()
+    names = [s._semlock.name for s in (q._rlock, q._sem, lock)]
+    print("running", " ".join("sem." + n.lstrip("/") for n in names), flush=True)
+    time.sleep(100)
+"""
+
+
+def test_a_program_past_its_bound_is_ended_leaving_no_semaphore(tmp_path):
+    # The tests' own bound (conftest.run_bounded): the program's group is ended so that the
+    # standard library's resource tracker unlinks its semaphores (SIGKILL alone leaves them,
+    # and a bench run beside this suite reported them as its own leftovers).
+    script = tmp_path / "overtime.py"
+    script.write_text(OVERTIME)
+    with pytest.raises(pytest.fail.Exception, match="did not finish within 5 s") as e:
+        run_bounded([sys.executable, str(script)], 5)
+    names = str(e.value).split("running ", 1)[1].split("\n", 1)[0].split()
+    assert len(names) == 3, str(e.value)
+    assert eventually(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names)), names
