@@ -17,6 +17,7 @@ failed that is not a deliberate difference: those are listed once, in docs/refer
 section "Differences from multiprocessing, on purpose" (its last column), which this reads.
 """
 import argparse
+import faulthandler
 import json
 import os
 import re
@@ -115,13 +116,19 @@ if __name__ == "__mp_main__":
                 os.environ.get("CPYTHON_SUITE_START_METHOD", "spawn"))
 
 
+TEST_BOUND = 240     # s: a test still running then has hung (CPython's own bound is 5 min)
+
+
 class _TimedResult(unittest.TextTestResult):
-    """Records each test's seconds: the slowest are printed (a hang shows as one)."""
+    """Records each test's seconds: the slowest are printed (a hang shows as one). A test
+    that runs past TEST_BOUND ends the run with every thread's stack on stderr."""
     def startTest(self, test):
         self._t0 = time.monotonic()
+        faulthandler.dump_traceback_later(TEST_BOUND, exit=True)
         super().startTest(test)
 
     def stopTest(self, test):
+        faulthandler.cancel_dump_traceback_later()
         super().stopTest(test)
         self.seconds = getattr(self, "seconds", {})
         self.seconds[test.id().rsplit(".", 1)[-1]] = time.monotonic() - self._t0

@@ -39,7 +39,7 @@ def _run(args, tmp_path, env=None):
     rc, out, err = run_bounded([sys.executable, RUNNER, *args], SECONDS, env=environ,
                                cwd=str(tmp_path))       # (some tests write files in the cwd)
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    assert lines, f"no result (exit {rc}):\n{out[-4000:]}\n{err[-8000:]}"
+    assert lines, f"no result (exit {rc}):\n{out[-4000:]}\n{err[-16000:]}"   # (stacks)
     result = json.loads(lines[-1][len("RESULT "):])
     return rc, result, err
 
