@@ -8,6 +8,8 @@ The leak check fails a test that leaves behind, once it has ended:
   (polled for up to 5 s: releases may trail the last process by a moment),
 - an fd of this process that was not open before and points to a sharedmp segment.
 """
+import contextlib
+import fcntl
 import gc
 import multiprocessing
 import os
@@ -100,6 +102,26 @@ def end_group(proc, grace=5):
         proc.wait(10)
     except subprocess.TimeoutExpired:
         pass
+
+
+@contextlib.contextmanager
+def dev_shm_alone(alone):
+    """Across every test process of the machine (the suites .ci/run runs side by side):
+    ``alone`` (the bench's check that /dev/shm is as it was) waits until none of the others
+    runs and keeps them out; the others (CPython's suites, whose own tests sometimes leave
+    sem.mp-* files under load, and others' files cannot be told apart) run together.
+    Two flock files, so that a waiting ``alone`` is not starved: it holds the turnstile."""
+    turnstile, room = (open(os.path.join(tempfile.gettempdir(), f"sharedmp-tests-shm.{n}"), "a")
+                       for n in ("turnstile", "room"))
+    with turnstile, room:
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(room, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_SH)
+            fcntl.flock(room, fcntl.LOCK_SH)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield                                       # (closing the files lets both go)
 
 
 def kill_children():

@@ -16,10 +16,12 @@ from sharedmp.cli.bench import cuda, datasets, driver, plan, start, worker
 from sharedmp.cli.bench import report as bench_report
 from sharedmp.memory import leftovers
 
+from conftest import dev_shm_alone
+
 TIMEOUT = 300
 # The module's tiny run (30 s alone) shares the CPUs with the other pytest worker (./dev test
 # -n 2): the first test's setup may take longer than the 120 s default.
-pytestmark = pytest.mark.timeout(TIMEOUT + 60)
+pytestmark = pytest.mark.timeout(TIMEOUT + 60 + 660)     # (tiny_run may wait for a CPython suite)
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_JOBLIB = importlib.util.find_spec("joblib") is not None
 HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
@@ -58,8 +60,9 @@ def tiny_run(tmp_path_factory):
             "--workloads", NOT_DATASETS]
     if HAVE_MPL:
         args += ["--plot", str(out_png)]
-    before = shm_entries()
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT)
+    with dev_shm_alone(True):        # no CPython suite meanwhile: /dev/shm as it was after
+        before = shm_entries()
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT)
     assert out_json.exists(), f"no JSON written; rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     report = json.loads(out_json.read_text())
     return proc, report, out_png, before
