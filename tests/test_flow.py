@@ -140,7 +140,7 @@ def test_a_fast_producer_stays_within_its_window_of_a_slow_consumer(window):
     p = ctx.Process(target=fw.flood, args=(w, 4 * MiB, 10.0, baseline))
     p.start()
     w.close()
-    worst, received, last_sample = 0, 0, 0.0
+    worst, received, last_sample, recent = 0, 0, 0.0, []
     while True:
         a = r.recv()
         if a is None:
@@ -153,7 +153,11 @@ def test_a_fast_producer_stays_within_its_window_of_a_slow_consumer(window):
         rss = fw.rss_bytes(p.pid)
         if now - last_sample > 0.1 and baseline.value and rss is not None:
             last_sample = now
-            worst = max(worst, rss - baseline.value + fw.shmem_bytes() - shmem_before)
+            recent = [*recent[-2:], rss - baseline.value + fw.shmem_bytes() - shmem_before]
+            # Held through 3 samples (0.3 s): a producer past its window stays past it, while
+            # the machine's Shmem also moves with a suite run beside this one (.ci/run: 120 MiB
+            # seen in one sample).
+            worst = max(worst, min(recent)) if len(recent) == 3 else worst
     assert join_or_kill(p) == 0
     r.close()
     # The producer's private memory (beyond its start) plus all shared memory of the machine
