@@ -49,6 +49,16 @@ def never_by_value(monkeypatch):
     monkeypatch.setattr(wire, "INBAND_MAX", -1)
 
 
+@pytest.fixture
+def pool_stays(monkeypatch):
+    """The caches keep what they hold until the test lets it go (``recycle.clear``,
+    ``empty_cache``): their idle timer is not what such a test checks, and on a loaded machine
+    a ``gc.collect()`` alone can outlast its second (a segment given to the pool was gone when
+    the test looked: a full .ci/run, 3.11)."""
+    from sharedmp.memory import cache
+    monkeypatch.setattr(cache, "_idle", 3600.0)
+
+
 def shm_files():
     """sharedmp_* files in the shared-memory directory, except the allocator's arenas'."""
     arenas = [a.ref() for a in [*arena._current.values(), *arena._idle.values()]]

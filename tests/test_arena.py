@@ -62,7 +62,7 @@ def test_big_arrays_get_a_segment_of_their_own():
     assert mapping_of(small)[1].size == arena.ARENA_SIZE
 
 
-def test_full_arena_is_replaced_and_freed_when_its_arrays_die():
+def test_full_arena_is_replaced_and_freed_when_its_arrays_die(pool_stays):
     gc.collect()
     first = mp.zeros(8)
     seg = mapping_of(first)[1]

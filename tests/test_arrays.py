@@ -166,7 +166,7 @@ def _fds_and_maps(key):
     return fds_on(key), memfd_maps(key)
 
 
-def test_big_array_memory_and_fd_go_with_last_view():
+def test_big_array_memory_and_fd_go_with_last_view(pool_stays):
     mp.set_sharing_strategy("file_descriptor")
     a = mp.zeros((1024, 256))                               # 2 MiB: its own segment
     key = mapping_of(a)[1].key

@@ -90,3 +90,12 @@ def test_the_deliberate_differences_are_read_from_the_docs():
     found = _deliberate()
     assert found["test_parent_process"] == {"SHAREDMP_KEEP_ORPHANS": "1"}
     assert found["test_queue_feeder_donot_stop_onexc"] == {}
+
+
+def test_tests_that_hang_by_a_cpython_bug_are_skipped_only_where_it_is_unfixed():
+    for version in [(3, 12, 1), (3, 12, 7), (3, 13, 0), (3, 11, 9)]:
+        hangs = suite.cpython_hangs(version)
+        assert set(hangs) == {"test_shutdown_deadlock_pickle", "test_processes_terminate"}
+        assert "gh-125451" in hangs["test_shutdown_deadlock_pickle"]
+    for version in [(3, 12, 8), (3, 13, 1), (3, 14, 0)]:
+        assert suite.cpython_hangs(version) == {}

@@ -101,7 +101,7 @@ def test_a_queues_held_dups_are_owned_and_a_forked_child_closes_its_copies():
     q.close()
 
 
-def test_the_pools_private_fds_are_owned_and_a_forked_child_closes_its_copies():
+def test_the_pools_private_fds_are_owned_and_a_forked_child_closes_its_copies(pool_stays):
     if not recycle.limit():
         pytest.skip("recycling is off ($SHAREDMP_RECYCLE_BYTES=0)")
     recycle.clear()

@@ -17,7 +17,7 @@ BIG = 2 << 20          # its own segment (arena.SMALL_LIMIT is 1 MiB)
 
 
 @pytest.fixture(autouse=True)
-def fd_strategy():
+def fd_strategy(pool_stays):
     mp.set_sharing_strategy("file_descriptor")
     recycle.clear()
     yield

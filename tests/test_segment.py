@@ -48,7 +48,7 @@ def test_memfd_segment_is_sealed_sized_and_anonymous():
     assert segment.segment_of(mm) is seg and seg in segment.live_segments()
 
 
-def test_last_view_releases_fd_and_mapping():
+def test_last_view_releases_fd_and_mapping(pool_stays):
     seg, mm = segment.create(2 << 20, "file_descriptor")
     key = seg.key
     view = np.frombuffer(mm, np.uint8)[::3]
