@@ -5,7 +5,6 @@ import time
 import numpy as np
 
 import sharedmp as mp
-from _cache_drivers import shmem as shmem_bytes  # noqa: F401 (the tests use it from here)
 
 TIMEOUT = 60
 
@@ -44,15 +43,17 @@ def put_arrays(q, n, nbytes, sent):
             sent.value += 1
 
 
-def flood(conn, nbytes, seconds, baseline):
+def flood(conn, nbytes, seconds, baseline, sent):
     """Send fresh plain arrays of ``nbytes`` over ``conn`` as fast as it takes them for
-    ``seconds``; ``baseline`` gets this process's RSS before the first send."""
+    ``seconds``; ``baseline`` gets this process's RSS before the first send, ``sent`` the
+    number of sends that have returned."""
     baseline.value = rss_bytes()
     end = time.monotonic() + seconds
     i = 0
     while time.monotonic() < end:
         conn.send(np.full(nbytes // 8, i, dtype=np.int64))
         i += 1
+        sent.value = i
     conn.send(None)
     conn.close()
 

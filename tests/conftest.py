@@ -23,6 +23,7 @@ import time
 import pytest
 
 import sharedmp as mp
+from sharedmp import host
 from sharedmp.memory import arena, segment
 
 from _helpers import (TIMEOUT, data_ptr, eventually, fds_on, memfd_maps,  # noqa: F401
@@ -86,32 +87,11 @@ def run_bounded(argv, timeout=TIMEOUT, env=None, what=None, cwd=None):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        end_group(proc)
+        host.end_group(proc, 5)     # (SIGTERM first: the resource tracker unlinks semaphores)
         out, err = proc.communicate()
         pytest.fail(f"{what or ' '.join(argv)} did not finish within {timeout} s; the end of "
                     f"its output:\n{out[-2000:]}\n{err[-6000:]}", pytrace=False)
     return proc.returncode, out, err
-
-
-def end_group(proc, grace=5):
-    """End the process group that Popen ``proc`` leads. SIGTERM first, which the standard
-    library's resource tracker ignores: it outlives the others and unlinks the semaphores
-    they leave (SIGKILL alone leaves sem.mp-* files in /dev/shm); SIGKILL what is left after
-    ``grace`` s. The leader is reaped."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while proc.poll() is None or not group_gone(proc.pid, wait=0):
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.05)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import pytest
 
 from sharedmp.cli.bench import cuda, datasets, driver, plan, start, worker
 from sharedmp.cli.bench import report as bench_report
+from sharedmp import host
 from sharedmp.memory import leftovers
 
 from _helpers import eventually
@@ -360,13 +361,11 @@ def test_frame_program_whose_child_dies_fails_at_once_and_says_why(tmp_path, mod
         try:
             out, err = proc.communicate(timeout=25)
         finally:
-            driver._wait_group(proc.pid, 5)            # its helpers (resource tracker) end too
-            alive = driver._group_alive(proc.pid)
-            driver._kill_group(proc)
+            ended = host.end_group(proc, 5, first=None)  # its helpers (resource tracker) too
         # (a file no process holds may be another test's, a moment before its tracker
         # unlinks it: what stays 5 s is left)
         assert proc.returncode == 1 and "the child exited with code 3" in err, err
-        assert worker.MARK not in out and not alive
+        assert worker.MARK not in out and ended
         assert eventually(lambda: not left()), left()
 
 

@@ -23,11 +23,12 @@ import tempfile
 import pytest
 
 import sharedmp as mp
+from sharedmp import host
 from sharedmp.memory import cache, segment
 
 import _differential_workers as dw
 import _workers as w
-from conftest import SHARING_STRATEGIES, TIMEOUT, end_group, eventually
+from conftest import SHARING_STRATEGIES, TIMEOUT, eventually
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAREDMP_CHANNELS = ["sharedmp Queue", "sharedmp SimpleQueue", "sharedmp Pipe"]
@@ -50,7 +51,7 @@ def reference():
             try:
                 out, err = proc.communicate(timeout=TIMEOUT)
             except subprocess.TimeoutExpired:
-                end_group(proc)
+                host.end_group(proc, 5)
                 proc.communicate()
                 pytest.fail(f"the reference run did not finish within {TIMEOUT} s", pytrace=False)
             assert proc.returncode == 0, f"the reference run failed:\n{err}"
@@ -58,7 +59,7 @@ def reference():
         return result[0]
     yield get
     if proc.poll() is None:
-        end_group(proc)
+        host.end_group(proc, 5)
         proc.communicate()
 
 

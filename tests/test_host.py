@@ -74,3 +74,43 @@ def test_the_facts_on_this_machine():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(30)
     assert not host.pid_exists(child.pid)          # reaped: gone (unless reused within the test)
+
+
+# A leader and a helper in its group: the helper (as the resource tracker does) ignores
+# SIGTERM; with HOLD the leader ignores it too.
+GROUP = """
+import os, signal, subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+    "time.sleep(float(__import__('sys').argv[1]))", sys.argv[1]], stdout=subprocess.PIPE)
+helper.stdout.readline()
+if len(sys.argv) > 2:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print(helper.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _group(helper_s, *hold):
+    proc = subprocess.Popen([sys.executable, "-c", GROUP, str(helper_s), *hold], text=True,
+                            stdout=subprocess.PIPE, start_new_session=True)
+    with proc.stdout:
+        return proc, int(proc.stdout.readline())
+
+
+def test_end_group_lets_what_outlives_sigterm_finish_then_kills_what_is_left():
+    proc, helper = _group(1)                  # the helper ends by itself within the grace
+    try:
+        assert host.end_group(proc, 20) and proc.returncode == -15
+        st = host.proc_stat(helper)           # (ended: gone, or a zombie a moment)
+        assert not host.group_alive(proc.pid) and (st is None or not st.alive)
+    finally:
+        host.end_group(proc, 0)
+    proc, helper = _group(60, "hold")         # nothing ends: SIGKILL after the grace
+    try:
+        assert not host.end_group(proc, 0.5)
+        assert proc.returncode == -9 and not host.group_alive(proc.pid)
+    finally:
+        host.end_group(proc, 0)
+    proc, _ = _group(60)                      # no signal: the group is waited for, then killed
+    assert not host.end_group(proc, 0.3, first=None) and proc.returncode == -9

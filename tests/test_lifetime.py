@@ -52,10 +52,10 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from sharedmp.memory import manager, segment
+from sharedmp import host
 from sharedmp import strategy as sharing
 
 from _lifetime_workers import CLASSES
-from conftest import end_group
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVER = os.path.join(HERE, "_lifetime_workers.py")
@@ -124,7 +124,7 @@ class Driver:
         return reply
 
     def kill(self):
-        end_group(self.proc)
+        host.end_group(self.proc, 5)
 
     def files(self):
         out = []

@@ -9,9 +9,11 @@ no /proc means nothing is called a leftover. sharedmp is tested on Linux.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import time
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
@@ -138,6 +140,52 @@ def proc_stat(pid: int) -> ProcStat | None:
         return ProcStat(fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[19]))
     except (OSError, IndexError, ValueError):
         return None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of process group ``pgid`` remains (without /proc:
+    whether the group exists, zombies included)."""
+    if not have_proc():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for pid in pids():
+        st = proc_stat(pid)
+        if st is not None and st.pgrp == pgid and st.alive:
+            return True
+    return False
+
+
+def end_group(proc: "subprocess.Popen[Any]", grace: float,
+              first: "signal.Signals | None" = signal.SIGTERM) -> bool:
+    """End the process group that ``proc`` leads (started with ``start_new_session``): send
+    ``first`` (None: nothing, it ends by itself), give every process of the group ``grace`` s
+    to go, then SIGKILL what is left. The leader is reaped. Whether it ended before SIGKILL.
+
+    SIGTERM first because the standard library's resource tracker ignores it: it outlives the
+    others and unlinks the semaphores they leave (SIGKILL alone leaves sem.mp-* files)."""
+    deadline = time.monotonic() + grace
+    if first is not None:
+        _signal_group(proc.pid, first)
+    while proc.poll() is None or group_alive(proc.pid):
+        if time.monotonic() > deadline:
+            _signal_group(proc.pid, signal.SIGKILL)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):    # gone (or its pid another user's now)
+        pass
 
 
 def owner(pid: int) -> int | None:

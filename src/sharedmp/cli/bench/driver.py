@@ -8,11 +8,11 @@ what the run left in /dev/shm.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
+from ... import host
 from ...memory import leftovers
 from . import datasets
 from . import worker
@@ -34,33 +34,10 @@ def _worker_env():
     return env
 
 
-def _kill_group(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _group_alive(pgid):
-    """Whether a live (not zombie) process of process group ``pgid`` remains."""
-    for pid in leftovers.pids():
-        st = leftovers.proc_stat(pid)
-        if st is not None and st.pgrp == pgid and st.alive:
-            return True
-    return False
-
-
-def _wait_group(pgid, timeout):
-    """Let what the worker left running finish by itself (multiprocessing's resource
-    tracker unlinks the semaphores of a worker that has exited), for up to ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
 def run_program(cmd, timeout):
     """Run ``cmd`` in a session of its own; (stdout, status, stderr tail, seconds). What it
-    leaves running is given 10 s to finish, then its process group is killed."""
+    leaves running (multiprocessing's resource tracker, which unlinks the semaphores of a
+    worker that has exited) is given 10 s to finish, then its process group is killed."""
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_worker_env(), start_new_session=True)
@@ -69,11 +46,10 @@ def run_program(cmd, timeout):
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         status = "timeout"
-        _kill_group(proc)
+        host.end_group(proc, 5)
         out, err = proc.communicate()
     else:
-        _wait_group(proc.pid, 10)
-        _kill_group(proc)              # whatever it started and left behind
+        host.end_group(proc, 10, first=None)   # whatever it started and left behind
         if proc.returncode != 0:
             status = "error"
     tail = "\n".join(err.strip().splitlines()[-15:])
