@@ -109,7 +109,50 @@ def test_daemon_in_its_own_session_with_a_private_socket(fs):
     assert os.environ[manager.ENV] == path
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     assert stat.S_ISSOCK(os.stat(path).st_mode)
-    assert os.getsid(pid) == pid and os.getsid(pid) != os.getsid(0)     # its own session
+    assert os.getsid(pid) != os.getsid(0)                                # its own session
+    assert proc_stat(pid)[1] != os.getpid()          # not our child: nothing of ours waits for it
+
+
+# A program that leaves what it holds to its exit: arrays it keeps, a queue's feeder, a child.
+AT_EXIT = """
+import sys
+import numpy as np
+import sharedmp as mp
+from sharedmp.memory import manager
+
+def child(inbox, outbox):
+    outbox.put(inbox.get(timeout=60) + 1)
+
+if __name__ == "__main__":
+    mp.set_sharing_strategy("file_system")
+    keep = [mp.zeros(1 << 18), mp.full(10, 3.0)]
+    ctx = mp.get_context(sys.argv[1])
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(inbox, outbox))
+    p.start()
+    inbox.put(keep[0])
+    print(manager.daemon_pid(), flush=True)
+    assert (outbox.get(timeout=60) == 1).all()
+    p.join(60)
+    inbox.put(np.ones(1 << 16))            # left in the queue: the feeder flushes it at exit
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_program_ends_without_resource_warnings_leaving_nothing(tmp_path, method):
+    # The standard library at exit (python -X dev) warns of nothing it left open; nor does a
+    # program of sharedmp's: no unclosed socket to the daemon, no daemon Popen still running.
+    env = {k: v for k, v in os.environ.items() if k not in (manager.ENV, mp.strategy.ENV)}
+    env[segment.SHM_DIR_ENV] = str(tmp_path)
+    script = tmp_path / "at_exit.py"
+    script.write_text(AT_EXIT)
+    proc = subprocess.run([sys.executable, "-X", "dev", str(script), method], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr
+    daemon = int(proc.stdout.split()[0])
+    assert eventually(lambda: not alive(daemon)), "the daemon outlived its last client"
+    assert segments_in(tmp_path) == []
 
 
 def test_children_reuse_the_parents_daemon_unrelated_programs_get_their_own(fs):

@@ -712,6 +712,11 @@ def peer_uid(sock):
 
 def main(argv):
     path, fd = argv[1], int(argv[2])
+    # The process the client started exits here; the daemon goes on in its child. The client
+    # has no child left to wait for, and the daemon, no longer the session's leader, never
+    # gets a controlling terminal (nor its Ctrl-C).
+    if os.fork():
+        os._exit(0)
     listener = socket.socket(fileno=fd)
     listener.setblocking(False)
     # A socket per client and a pipe per open token (a few per channel end): allow as many

@@ -10,9 +10,11 @@ Records go out in order on one socket; a record posted from a finalizer (``dropp
 leaves.
 """
 import array
+import atexit
 import collections
 import errno
 import itertools
+import multiprocessing
 import os
 import select
 import socket
@@ -21,6 +23,7 @@ import sys
 import threading
 import time
 import weakref
+from multiprocessing import util
 
 from .. import fds, forks, settings
 from ..errors import ManagerError
@@ -37,7 +40,6 @@ _pending: "collections.deque[tuple[bytes, int]]" = collections.deque()
 _sock = None                    # the connection, once made
 _dead = None                    # why this process can no longer use its daemon
 _daemon: "tuple[int, str] | None" = None  # (pid, socket path) of the daemon we talk to
-_popen = None                   # the daemon, if this process started it
 _generation = 0                 # counts connections made: a token belongs to one of them
 _MAX_FDS = 250                  # fds passed in one sendmsg (SCM_MAX_FD is 253)
 POOL_DIR = ".sharedmp-pool-%d"  # where the daemon (of this pid) moves parked segments once free
@@ -98,7 +100,6 @@ def _hello(path):
 
 def _start():
     """Start a daemon of our own; the (connection, pid, path)."""
-    global _popen
     import subprocess
     import tempfile
     directory = tempfile.mkdtemp(prefix="sharedmp-", dir=settings.runtime_dir())     # mode 0700
@@ -107,8 +108,10 @@ def _start():
     try:
         listener.bind(path)
         listener.listen(128)
-        # The daemon inherits the bound socket, so we can connect before it even runs.
-        _popen = subprocess.Popen(
+        # The daemon inherits the bound socket, so we can connect before it even runs. The
+        # process started here forks the daemon and exits (daemon.py): the daemon is not our
+        # child, so no Popen is left to wait for (or to warn, ResourceWarning, at our exit).
+        starter = subprocess.Popen(
             [sys.executable, "-I", "-S", _SCRIPT, path, str(listener.fileno())],
             pass_fds=(listener.fileno(),), start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -121,12 +124,19 @@ def _start():
         raise
     finally:
         listener.close()
-    s, pid = _hello(path)
+    try:
+        s, pid = _hello(path)
+    finally:
+        try:
+            starter.wait(HELLO_TIMEOUT)    # (it exits as the daemon starts: at once)
+        except subprocess.TimeoutExpired:
+            starter.kill()
+            starter.wait()
     return s, pid, path
 
 
 def _connect():
-    global _sock, _daemon, _generation
+    global _sock, _daemon, _generation, _closing_at_exit
     if _dead is not None:
         raise ManagerError(_dead)
     path = settings.get(ENV)
@@ -141,6 +151,51 @@ def _connect():
         settings.export(ENV, path)       # children started from now on use this daemon
     _sock, _daemon = s, (pid, path)
     _generation += 1
+    if _closing_at_exit != os.getpid():
+        _closing_at_exit = os.getpid()
+        # last of multiprocessing's exit finalizers (Queue's join: -5): after the children
+        # are joined and every other finalizer has posted its records
+        util.Finalize(None, _close_at_exit, exitpriority=-1000)
+
+
+_closing_at_exit = 0                     # the pid that registered _close_at_exit
+
+
+def _close_at_exit():
+    """(this process is exiting: multiprocessing's exit handler, last) Close the connection,
+    as the process's exit would a moment later: the daemon lets go of what this process held.
+    Left open, the interpreter's teardown warns of an unclosed socket (ResourceWarning).
+    What is posted after (finalizers of the teardown) is not sent: the daemon counts nothing
+    of this process any more; a named segment made after this raises ManagerError."""
+    if multiprocessing.parent_process() is not None:
+        # A child of multiprocessing runs this before its non-daemon threads are joined
+        # (BaseProcess._bootstrap): close at its interpreter's exit instead, after them (a
+        # spawned child's; a forked one ends with os._exit, no teardown to warn).
+        atexit.register(_close)
+        return
+    _close()
+
+
+def _close():
+    global _sock, _dead
+    if not _lock.acquire(timeout=1.0):   # (a thread stuck sending: leave it to the exit)
+        return
+    try:
+        if _sock is None:
+            return
+        try:
+            _send_pending()
+        except OSError:
+            pass
+        _sock.close()
+        _sock = None
+        _pending.clear()
+        _dead = _dead or ("this process is exiting (multiprocessing's exit handlers have run): "
+                          "its connection to the sharedmp manager daemon is closed, so no named "
+                          "segment can be made now; make it before, or use the "
+                          "'file_descriptor' strategy")
+    finally:
+        _lock.release()
 
 
 def ensure() -> None:
@@ -163,8 +218,6 @@ def _lost(e):
         _sock.close()
         _sock = None
     _pending.clear()
-    if _popen is not None:
-        _popen.poll()                    # reap it if it was our child
 
 
 def _post(op, path, wait=True, fd=-1):
