@@ -19,7 +19,7 @@ from sharedmp.memory import manager, segment
 from _helpers import eventually, say, segment_memfds
 
 TIMEOUT = 30
-SHMEM_SLACK = 8 << 20
+SLACK = 8 << 20
 
 
 def shmem():
@@ -36,12 +36,14 @@ def files():
 
 
 def mapped():
-    """Bytes of sharedmp memfd segments this process maps (/proc/self/maps): unlike Shmem,
-    not moved by the other processes of the machine (a second test suite beside this one)."""
+    """Bytes of sharedmp segments this process maps (/proc/self/maps: memfds, and files of
+    the shm directory): unlike Shmem, not moved by the other processes of the machine (a
+    second test suite beside this one)."""
+    named = os.path.join(segment.shm_dir(), segment.PREFIX)
     total = 0
     with open("/proc/self/maps") as f:
         for line in f:
-            if "/memfd:sharedmp" in line:
+            if "/memfd:sharedmp" in line or f" {named}" in line:
                 lo, hi = line.split()[0].split("-")
                 total += int(hi, 16) - int(lo, 16)
     return total
@@ -53,13 +55,15 @@ def state():
 
 def back_to(base, limit):
     """Seconds until this process is back to ``base`` (None if not within ``limit`` s), and
-    the last state seen."""
+    the last state seen. Once its children have ended, what it maps, the segment fds it
+    holds and the files of its shm directory are all the shared memory the program holds;
+    the machine's Shmem (reported) moves with the suite run beside this one."""
     t0 = time.monotonic()
     while True:
         gc.collect()
         now = state()
         if (not now["files"] and now["fds"] <= base["fds"]
-                and now["shmem"] <= base["shmem"] + SHMEM_SLACK):
+                and now["mapped"] <= base["mapped"] + SLACK):
             return time.monotonic() - t0, now
         if time.monotonic() - t0 > limit:
             return None, now

@@ -53,6 +53,20 @@ def shm_entries():
         return set()
 
 
+# What the bench's programs can leave in /dev/shm: torch's file_system segments, sharedmp's
+# named segments, the standard library's semaphores. (A private directory of a test or tool
+# running beside, such as the stress CLI's sharedmp-stress-*, is that one's to check.)
+LEFTOVER_PREFIXES = ("torch_", "sharedmp_", "sem.mp-")
+
+
+def left_in_dev_shm(before):
+    """The new entries of /dev/shm the bench's programs could have made, that no live
+    process maps or holds (a test suite running meanwhile may own those)."""
+    new = {os.path.join("/dev/shm", n) for n in shm_entries() - before
+           if n.startswith(LEFTOVER_PREFIXES)}
+    return new - leftovers.in_use(new)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One tiny run for the whole module: (completed process, report, plot path, /dev/shm before)."""
@@ -192,11 +206,7 @@ def test_table_on_stdout(tiny_run):
 @pytest.mark.slow    # (its tiny_run: 30 s; .ci/run: 3.11 only)
 def test_nothing_left_in_dev_shm(tiny_run):
     _, _, _, before = tiny_run
-    # Files that some live process still maps or holds are not leftovers of the run (a
-    # test suite running meanwhile may own them); unused new ones are.
-    new = {os.path.join("/dev/shm", n) for n in shm_entries() - before
-           if n.startswith(("torch_", "sharedmp_", "sem.mp-"))}
-    assert not new - leftovers.in_use(new)
+    assert not left_in_dev_shm(before)
 
 
 @linux_only
@@ -350,9 +360,6 @@ def test_frame_program_whose_child_dies_fails_at_once_and_says_why(tmp_path, mod
     assert text.count(line) == 1
     script.write_text(text.replace(line, "        import os; os._exit(3)  #"))
 
-    def left():
-        new = {os.path.join("/dev/shm", n) for n in shm_entries() - before}
-        return new - leftovers.in_use(new)
     with dev_shm_alone(True):        # (no CPython suite meanwhile: see tiny_run)
         before = shm_entries()
         proc = subprocess.Popen([sys.executable, str(script), "arrow", "1000", "2"], text=True,
@@ -366,7 +373,7 @@ def test_frame_program_whose_child_dies_fails_at_once_and_says_why(tmp_path, mod
         # unlinks it: what stays 5 s is left)
         assert proc.returncode == 1 and "the child exited with code 3" in err, err
         assert worker.MARK not in out and ended
-        assert eventually(lambda: not left()), left()
+        assert eventually(lambda: not left_in_dev_shm(before)), left_in_dev_shm(before)
 
 
 def test_dataset_plan_counts():
@@ -466,5 +473,4 @@ def test_dataset_row_real_run():
     ratios = report["datasets"]["ratios"]["D2"]["2"]
     assert ratios["time"] > 0
     assert "D2 10,000 records" in bench_report.format_datasets(report)
-    new = {os.path.join("/dev/shm", n) for n in shm_entries() - before}
-    assert not new - leftovers.in_use(new)
+    assert not left_in_dev_shm(before)
