@@ -1,8 +1,9 @@
 """What this machine and its OS offer, found out in one place.
 
 Capability flags (memfd, fallocate, the parent-death signal), the memory that can still be
-made resident (``/proc/meminfo`` capped by the memory cgroup), and the readers of ``/proc``
-(processes, their state and their fds). Everything here answers "unknown" (None, [], False)
+made resident (``/proc/meminfo`` capped by the memory cgroup), the readers of ``/proc``
+(processes, their state and their fds), and ending a process group (the bench's programs, the
+tests'). Everything here answers "unknown" (None, [], False)
 where the OS does not say, and the callers fall back: no memfd means named segments,
 no /proc means nothing is called a leftover. sharedmp is tested on Linux.
 """

@@ -14,7 +14,6 @@ import atexit
 import collections
 import errno
 import itertools
-import multiprocessing
 import os
 import select
 import socket
@@ -167,10 +166,11 @@ def _close_at_exit():
     Left open, the interpreter's teardown warns of an unclosed socket (ResourceWarning).
     What is posted after (finalizers of the teardown) is not sent: the daemon counts nothing
     of this process any more; a named segment made after this raises ManagerError."""
-    if multiprocessing.parent_process() is not None:
-        # A child of multiprocessing runs this before its non-daemon threads are joined
-        # (BaseProcess._bootstrap): close at its interpreter's exit instead, after them (a
-        # spawned child's; a forked one ends with os._exit, no teardown to warn).
+    me = threading.current_thread()
+    if any(t is not me and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        # A child of multiprocessing before 3.13 runs this before its non-daemon threads are
+        # joined (BaseProcess._bootstrap): close at its interpreter's exit instead, after them
+        # (a spawned child's; a forked one ends with os._exit, no teardown to warn).
         atexit.register(_close)
         return
     _close()
