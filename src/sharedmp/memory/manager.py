@@ -177,7 +177,6 @@ def _close_at_exit():
 
 
 def _close():
-    global _sock, _dead
     if not _lock.acquire(timeout=1.0):   # (a thread stuck sending: leave it to the exit)
         return
     try:
@@ -187,13 +186,9 @@ def _close():
             _send_pending()
         except OSError:
             pass
-        _sock.close()
-        _sock = None
-        _pending.clear()
-        _dead = _dead or ("this process is exiting (multiprocessing's exit handlers have run): "
-                          "its connection to the sharedmp manager daemon is closed, so no named "
-                          "segment can be made now; make it before, or use the "
-                          "'file_descriptor' strategy")
+        _hang_up("this process is exiting (multiprocessing's exit handlers have run): its "
+                 "connection to the sharedmp manager daemon is closed, so no named segment can "
+                 "be made now; make it before, or use the 'file_descriptor' strategy")
     finally:
         _lock.release()
 
@@ -208,12 +203,18 @@ def ensure() -> None:
 
 def _lost(e):
     """(lock held) The daemon hung up: say so on every later use."""
-    global _sock, _dead
     pid, path = _daemon
-    _dead = (f"the sharedmp manager daemon (pid {pid}, {path}) went away ({e.strerror or e}), "
+    _hang_up(f"the sharedmp manager daemon (pid {pid}, {path}) went away ({e.strerror or e}), "
              "so named segments can no longer be tracked. Restart the program, run `python -m "
              "sharedmp doctor --clean` to remove the segments it left, or use the "
              "'file_descriptor' strategy.")
+
+
+def _hang_up(why):
+    """(lock held) Close the connection, unsent records dropped; every later use says ``why``
+    (the first reason given)."""
+    global _sock, _dead
+    _dead = _dead or why
     if _sock is not None:
         _sock.close()
         _sock = None
