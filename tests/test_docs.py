@@ -16,6 +16,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,58 @@ def test_the_limits_are_stated_only_in_the_reference():
         text = " ".join(doc.read_text().split())
         said = [n for n in numbers if n in text]
         assert not said, f"{doc.name} states {said}: link to docs/reference.md instead"
+
+
+# The fork-freeze figure, why a DataLoader worker forked by a sharedmp context freezes what it
+# inherits ($SHAREDMP_FREEZE_FORKED): the latest measurement, that of commit 85b60d5 (issue 40:
+# the "228 -> 107 MiB" before it was not reproduced). Its one home is `mp.get_context` in
+# docs/reference.md; the README, docs/API.md and the table of differences link there, and a
+# docstring that recalls it must say the same.
+FREEZE_FIGURE = "1 worker: 137-141 MiB not frozen, 90-95 frozen; 4 workers: 85-95 MiB either way"
+_FREEZING = re.compile(r"gc\.freeze|\bfrozen\b|\bfreez(?:e|es|ing)\b|FREEZE_FORKED")
+_FIGURES = re.compile(r"\b\d+(?:-\d+)?(?=\s*MiB)|\b\d+-\d+\b")     # 90 MiB, 90-95 (MiB)
+
+
+def _sentences(text):
+    """The sentences of ``text``, whitespace joined; each row of a table, as one."""
+    lines = text.splitlines()
+    rows = [line for line in lines if line.startswith("|")]
+    prose = " ".join(" ".join(line for line in lines if not line.startswith("|")).split())
+    return rows + re.split(r"(?<=\.)\s+", prose)
+
+
+def _prose(path):
+    """The text of a doc; of a module, its comments and strings (docstrings), apart."""
+    if path.suffix != ".py":
+        return path.read_text()
+    parts = []
+    with path.open("rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            if tok.type == tokenize.COMMENT:
+                parts.append(tok.string.lstrip("#"))
+            elif tok.type == tokenize.STRING:
+                parts.append(f". {tok.string}. ")
+            elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+                parts.append(". ")
+    return " ".join(parts)
+
+
+def _freeze_figures(path):
+    """The sentences of ``path`` that give a figure of the freeze (in MiB, or a range)."""
+    return [s for s in _sentences(_prose(path)) if _FREEZING.search(s) and _FIGURES.search(s)]
+
+
+def test_the_fork_freeze_figure_has_one_home():
+    home = " ".join(REFERENCE.read_text().split())
+    assert FREEZE_FIGURE in home, f"docs/reference.md, mp.get_context, lacks {FREEZE_FIGURE!r}"
+    for doc in DOCS:
+        elsewhere = [s for s in _freeze_figures(doc)
+                     if not (doc == REFERENCE and FREEZE_FIGURE in s)]
+        assert not elsewhere, (f"{doc.relative_to(ROOT)} states the fork-freeze figure: link to "
+                               f"docs/reference.md#mpget_contextmethodnone instead: {elsewhere}")
+    figure = set(_FIGURES.findall(FREEZE_FIGURE))
+    for f in sorted((ROOT / "src" / "sharedmp").rglob("*.py")):
+        for s in _freeze_figures(f):
+            other = sorted(set(_FIGURES.findall(s)) - figure)
+            assert not other, (f"{f.relative_to(ROOT)} gives the fork-freeze figure as {other}, "
+                               f"docs/reference.md as {FREEZE_FIGURE!r}: {s}")

@@ -47,7 +47,7 @@ def init_reductions() -> None:
 # torch.multiprocessing's helpers that its own tests use; forwarded (torch imported on use).
 _TORCH_HELPERS = ("_set_thread_name", "_get_thread_name")
 # Imported on first use, so that `import sharedmp` stays light: {name: its module}. arrays.py
-# imports NumPy; processes/spawn.py logging and concurrent.futures; datasets.py NumPy.
+# imports NumPy; processes/spawn.py logging and concurrent.futures; datasets/ NumPy.
 _LAZY = dict.fromkeys(("empty", "empty_like", "full", "is_shared", "share", "share_memory_",
                        "zeros", "zeros_like"), "arrays")
 _LAZY.update(dict.fromkeys(("SharedList", "SharedDict", "share_dataset"), "datasets"))

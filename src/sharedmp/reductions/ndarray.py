@@ -5,8 +5,10 @@ message and on any channel; and, for a message of one array alone on a sharedmp 
 a fixed binary header that skips pickle (``encode_array``/``decode_array``, frame flag
 ``FLAG_ARRAY`` in ``wire.py``): a stream of small arrays would otherwise
 spend most of its time in pickle. A small array not in shared memory travels by value
-(``STD_BY_VALUE_MAX`` below says when): pickled as NumPy pickles it, or as that header
-followed by its bytes, with no fd.
+(``STD_BY_VALUE_MAX`` below says when): pickled as its bytes in the order NumPy's pickle
+keeps (``rebuild_value``), or as that header followed by its bytes, with no fd. The
+receiver's array is then a private copy that keeps the read-only flag: writable if the
+sender's was, read-only if the sender's was (NumPy's own pickle would give a writable one).
 """
 import ctypes
 import struct
@@ -108,8 +110,9 @@ def _rebuild_args(a, seg, offset):
 
 # A small array by value: its bytes in C order, or in F order for an F-contiguous (not
 # C-contiguous) one, the order NumPy's own pickle keeps; the receiver's array has that
-# order. (NumPy's pickle of protocol 4 would do, but loses a non-native byte order: NumPy
-# 2.4 receives '>i8' as int64.)
+# order, and is read-only where the sender's was (NumPy's pickle gives a writable copy).
+# (NumPy's pickle of protocol 4 would do, but loses a non-native byte order: NumPy 2.4
+# receives '>i8' as int64.)
 def rebuild_value(data, dtype, shape, readonly, fortran=False):
     if isinstance(dtype, str):
         dtype = _dtype(dtype)
