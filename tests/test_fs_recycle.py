@@ -152,7 +152,7 @@ def test_no_reuse_while_a_receiver_holds_it_and_no_stale_contents(fs, method):
             b = mp.full(BIG, i, np.uint8)
             assert ino(b) != key
             del b                                 # (parked: reused by the next, once free)
-            eventually(lambda: recycle.take_named(1, "") is None and pooled(fs), 1)
+            eventually(lambda: recycle.take_named(1, "", set()) is None and pooled(fs), 1)
         go.set()
         assert outbox.get(timeout=TIMEOUT) == ("still", 1, 1)   # never overwritten
     finally:

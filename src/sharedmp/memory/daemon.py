@@ -30,14 +30,15 @@ parentheses.
 
     C  <path>  created (``manager.created``): this client holds the segment. Sent before
        the file is made (``O_EXCL``), so that a creator killed at any point leaves nothing.
-    H  <path>  holds (``manager.holds``): this client maps the segment now: a fork child
-       for what it inherited (its first records on its own connection, see Fork), or a
-       receiver on a sharedmp channel whose message's token is not known. ``H <path>\\0<inode>``: a
-       receiver on a sharedmp channel, from a message that carried the token whose pipe has
-       this inode (``fstat`` of the token fd it received). If that message's reference is the
-       token's only one for the path and not held (see ``t``, ``u``), it ends here. An ``H``
-       read before the ``t`` it ends is remembered for this read of every client and the
-       next (the ``t`` was written before the ``H``, so that read finds it).
+    H  <path>  holds (``manager.holds``): this client maps the segment now: a receiver on
+       a sharedmp channel whose message's token is not known (or a fork child for what it
+       inherited, where its parent could not make a fork token: see Fork).
+       ``H <path>\\0<inode>``: a receiver on a sharedmp channel, from a message that carried
+       the token whose pipe has this inode (``fstat`` of the token fd it received). If that
+       message's reference is the token's only one for the path and not held (see ``t``,
+       ``u``), it ends here. An ``H`` read before the ``t`` it ends is remembered for this
+       read of every client and the next (the ``t`` was written before the ``H``, so that
+       read finds it).
     S  <path>  sent (``manager.sent``): one more reference in flight, for a message on any
        other channel (a standard library queue or pipe, spawn arguments). While it is in
        flight the daemon keeps an fd of the file open, within a budget of a quarter of its fd
@@ -76,6 +77,12 @@ parentheses.
        are held until the token's end (``H`` no longer ends them), counted again if one ended
        already. Said before that message is sent, so before any ``H`` it causes: whatever
        made a segment look free is undone by the confirming read. Once per token and path.
+    K  <id>  a fork's token (``manager.before_fork``), passed with the record as ``T``'s
+       is: one more reference in flight, held by it, for every path this client holds.
+    A  <inode> <pid>  adopt (``manager.after_fork_in_child``): this client, forked by the
+       client of pid ``pid``, holds every path that the fork token of this pipe inode holds,
+       and the token ends. If that token is not known yet, the parent's connection is read
+       first, out of turn (its ``K`` was written before the child existed).
     W  <anything>  wait (``manager.sync``): answer ``DONE\n`` once every record read so far
        has been acted on (after this pass and the next: see Ordering), so that what no one
        holds any more is unlinked (or pooled) by then. Asked on a connection of its own,
@@ -117,20 +124,23 @@ a segment whose count reaches zero is unlinked (or, parked, moved to the pool) o
 is still zero after one more read of every client (anything written before the zero was
 read is read by then). That read is made at once, in the same pass.
 
-Fork. A forked child maps what its parent mapped at the fork, but can say so (``H``) only
-on a connection of its own, made after the fork, while the parent goes on at once: the
-parent's ``P`` of a segment the child still maps could be read first, and the segment be
-pooled and handed out again under the child. So the parent holds them for the child across
-the fork (``manager.before_fork``, a ``before`` fork hook of ``segment.py``, for sharedmp's
-contexts, ``os.fork()`` and anything else that forks through Python): just before the fork
-it sends a token (``T <id>``, then ``t <id> <path>\0...`` naming every named segment it
-maps, 1,000 a record) and keeps the write end; the child inherits a copy, connects, writes
-its ``H`` records and only then closes its copy; the parent closes its own as the fork
-returns. The pipe ends when both are closed, or when the child dies. The daemon handles a
-token's end and then reads every client before it decides what is unused, and the child's
-connection was accepted before it wrote (the handshake), so its ``H`` records are read by
-then: no segment mapped at a fork is ever unused, parked-free or pooled while a child of
-that fork may still map it.
+Fork. A forked child maps what its parent mapped at the fork, but can say so only on a
+connection of its own, made after the fork, while the parent goes on at once: the parent's
+``P`` of a segment the child still maps could be read first, and the segment be pooled and
+handed out again under the child. So the parent holds them for the child across the fork
+(``manager.before_fork``, a ``before`` fork hook of ``segment.py``, for sharedmp's contexts,
+``os.fork()`` and anything else that forks through Python): just before the fork it sends a
+token (``K <id>``: one record, whatever it holds) that holds every path it holds, and keeps
+the write end until the fork returns. From its hold until then no thread of the process
+registers a segment, and a segment is registered only once its ``C``, ``R`` or ``H`` was
+sent: whatever the child inherits mapped, its parent held when the ``K`` was written. The
+child inherits a copy of the write end, connects, and says ``A`` (the token's paths are its
+own now, the token ends), then ``D`` for the paths it holds so but does not map (its
+parent's pool, and names that another thread of the parent was making or attaching: the
+child has not that thread). It keeps its copy of the write end: the token ends without
+``A`` only if the child dies (or closes it), never before the ``A`` is applied. So no
+segment mapped at a fork is ever unused, parked-free or pooled while a child of that fork
+may still map it, and a fork costs one record each side, not one per segment.
 
 Lifetime. The daemon raises its soft ``RLIMIT_NOFILE`` to the hard limit as it starts. It
 waits ``STARTUP`` s for its first client. Once every client has gone it waits up to
@@ -201,11 +211,12 @@ class Segment:
 
 
 class Client:
-    __slots__ = ("sock", "pid", "buf", "holds", "hello", "fds", "tokens")
+    __slots__ = ("sock", "pid", "buf", "holds", "hello", "fds", "tokens", "gone")
 
     def __init__(self, sock):
         self.sock = sock
-        self.pid = None
+        self.pid = None                  # (bytes, from HELLO)
+        self.gone = False                # hung up while read out of turn (``A``)
         self.buf = b""
         self.holds = set()
         self.hello = False
@@ -214,10 +225,11 @@ class Client:
 
 
 class Token:
-    __slots__ = ("fd", "paths", "client", "ident", "ino")
+    __slots__ = ("fd", "paths", "client", "ident", "ino", "fork")
 
     def __init__(self, fd, client, ident):
         self.fd = fd
+        self.fork = False                # a fork's hold (``K``): a child adopts it (``A``)
         # path -> its references in flight: [count, held]; not held, one reference is that
         # of one message, ended by the receiver's ``H`` (see ``t``)
         self.paths = {}
@@ -243,6 +255,7 @@ class Daemon:
         # set order): this read of every client and the one before (the ``t`` was written
         # before the ``H``, so the next read finds it)
         self.early, self.early_before = set(), set()
+        self.reading = set()       # clients being read now (``A`` reads a parent out of turn)
         self.passes = 0            # passes made (``one_pass``)
         self.waiters = []          # [(client, pass count to answer at)] (``W``)
         self.seen_client = False
@@ -263,6 +276,12 @@ class Daemon:
     def apply(self, client, op, path):
         if op in (b"T", b"t"):
             self._carry(client, path, op == b"T")
+            return
+        if op == b"K":
+            self._fork_hold(client, path)
+            return
+        if op == b"A":
+            self._adopt(client, path)
             return
         if op == b"P":
             self._park(client, *path.partition("\0")[::2])
@@ -329,12 +348,13 @@ class Daemon:
         seg.parked = (client, nxt)
         self.parked.add(path)
 
-    def _carry(self, client, rest, new):
-        ident, _, paths = rest.partition(" ")
+    def _token(self, client, ident, new):
+        """The client's token ``ident``; a new one (``T``, ``K``: its pipe the next fd passed)
+        if ``new``; None if it has ended."""
         token = client.tokens.get(ident)
         if token is None:
             if not new:
-                return                             # the token has ended: see ``t`` above
+                return None                        # the token has ended: see ``t`` above
             if not client.fds:
                 token = Token(-1, client, ident)   # its pipe did not arrive: in flight until exit
             else:
@@ -348,6 +368,13 @@ class Daemon:
                 except OSError:
                     pass
             client.tokens[ident] = token
+        return token
+
+    def _carry(self, client, rest, new):
+        ident, _, paths = rest.partition(" ")
+        token = self._token(client, ident, new)
+        if token is None:
+            return
         for path in paths.split("\0"):
             if _ours(path):
                 if token.ino is not None and path not in token.paths and self._early(token, path):
@@ -374,6 +401,37 @@ class Daemon:
                     token.paths[path] = [1, True]
                 else:
                     refs[1] = True
+
+    def _fork_hold(self, client, ident):
+        """``K``: a new token that holds every segment this client holds, for its child."""
+        token = self._token(client, ident, True)
+        token.fork = True
+        for path in client.holds:
+            seg = self.segments.get(path)
+            if seg is not None and path not in token.paths:
+                seg.inflight += 1
+                token.paths[path] = [1, True]
+
+    def _adopt(self, client, rest):
+        """``A``: this client, a fork child, holds what its fork's token holds; the token ends."""
+        ino, _, pid = rest.partition(" ")
+        try:
+            token = self.by_ino.get(int(ino))
+        except ValueError:
+            return
+        if token is None:          # the parent's ``K`` not read yet (written before the fork)
+            for parent in list(self.clients.values()):
+                if parent.pid == os.fsencode(pid) and parent not in self.reading:
+                    parent.gone = parent.gone or not self.read(parent)
+            token = self.by_ino.get(int(ino))
+        if token is None or not token.fork:
+            return
+        for path in token.paths:
+            seg = self.segments.get(path)
+            if seg is not None:
+                seg.holders.add(client)
+                client.holds.add(path)
+        self._end(token)
 
     def _received(self, path, ino):
         """A message of the token of pipe inode ``ino`` naming ``path`` was received."""
@@ -408,6 +466,10 @@ class Daemon:
             return
         except OSError:
             pass
+        self._end(token)
+
+    def _end(self, token):
+        """The token's references in flight end, and its pipe is closed."""
         self.sel.unregister(token.fd)
         del self.tokens[token.fd]
         if token.ino is not None and self.by_ino.get(token.ino) is token:
@@ -542,6 +604,13 @@ class Daemon:
 
     def read(self, client):
         """Read and apply what the client has written; False once it has gone."""
+        self.reading.add(client)
+        try:
+            return self._read(client)
+        finally:
+            self.reading.discard(client)
+
+    def _read(self, client):
         while True:
             try:
                 data, ancdata, _, _ = client.sock.recvmsg(1 << 16, _CMSG, socket.MSG_CMSG_CLOEXEC)
@@ -588,7 +657,7 @@ class Daemon:
     def read_all(self):
         self.early_before, self.early = self.early, set()
         for client in list(self.clients.values()):
-            if not self.read(client):
+            if client.gone or not self.read(client):
                 self.drop(client)
 
     def idle(self):

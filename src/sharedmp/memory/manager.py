@@ -226,6 +226,19 @@ def _post(op, path, wait=True, fd=-1):
     ManagerError (unless ``wait`` is False) if the daemon has gone. With ``wait``, the
     record is in the kernel on return (``fd`` may be closed)."""
     _pending.append((op + b" " + (path if type(path) is bytes else os.fsencode(path)) + b"\n", fd))
+    _flush(wait)
+
+
+def _post_all(records: "list[tuple[bytes, str | bytes]]") -> None:
+    """``_post`` of several records (op, path) at once: one send."""
+    for op, path in records:
+        _pending.append((op + b" " + (path if type(path) is bytes else os.fsencode(path)) + b"\n",
+                         -1))
+    _flush(True)
+
+
+def _flush(wait):
+    """Send what is queued (see ``_post``)."""
     while _pending:
         if not _lock.acquire(wait):
             return                       # the holder sends it before it lets go
@@ -641,45 +654,50 @@ def remove_stale(path):
             pass
 
 
-# Fork. A forked child maps what its parent mapped, so it holds those names too; it says so
-# (``H``) on a connection of its own, which it can only make after the fork, while the
-# parent goes on at once: the parent's next records (``P``, ``D``) could reach the daemon
-# first, and a segment the child still maps be pooled and reused by the parent. So the
-# parent holds them for the child across the fork: just before it, a token (``T``) names
-# every path it maps, its read end with the daemon; the child inherits the write end and
-# closes it once its own ``H`` records are sent (or dies); the parent closes its copy as
-# soon as the fork returns. See daemon.py, "Fork".
-_fork_tokens: "dict[int, int]" = {}     # thread id -> write end of its fork's token
-_PATHS_PER_RECORD = 1000                # (a record is a line: the daemon reads 1 MiB at most)
+# Fork. A forked child maps what its parent mapped, so it holds those names too; it can say
+# so only on a connection of its own, made after the fork, while the parent goes on at once:
+# the parent's next records (``P``, ``D``) could reach the daemon first, and a segment the
+# child still maps be pooled and reused by the parent. So the parent holds them for the
+# child across the fork, in one record whatever it maps: just before the fork, with every
+# thread's registration of a segment shut out until the fork returns (``segment.py``), a
+# token (``K``) holds every name this client holds; the child inherits its write end,
+# connects, and adopts what it holds (``A``: the daemon ends the token then), less what it
+# does not map (``D``: the parent's pool, and names another thread was still making). The
+# child keeps its copy of the write end, so the token ends without ``A`` only if the child
+# dies. See daemon.py, "Fork".
+_fork_token = -1                        # the write end of the token of the fork under way
+_fork_parent = 0                        # the pid that made it (a child's parent, in ``A``)
+_adopted: "fds.Fd | None" = None        # (in a forked child) its fork's token, kept
+_unheld: "list[str]" = []               # (in a forked child) names it holds but does not map
 
 
-def before_fork(paths: "list[str]") -> None:
-    """(parent, just before a fork) Hold ``paths`` for the child until it holds them itself.
-    Never raises: a fork must not fail for this (without a daemon there is nothing to hold)."""
-    if _sock is None or _dead is not None or not paths:
+def before_fork() -> None:
+    """(parent, just before a fork, no registration possible until it returns) Hold what this
+    process holds for the child until the child holds it itself. Never raises: a fork must not
+    fail for this (without a daemon there is nothing to hold)."""
+    global _fork_token, _fork_parent
+    if _sock is None or _dead is not None:
         return
     try:
         r, w = fds.pipe()
     except OSError:
         return
     try:
-        ident = b"%d " % next(_token_ids)
-        _post(b"T", ident, fd=r)
-        for i in range(0, len(paths), _PATHS_PER_RECORD):
-            _post(b"t", ident + b"\0".join(map(os.fsencode, paths[i:i + _PATHS_PER_RECORD])))
+        _post(b"K", b"%d" % next(_token_ids), fd=r)
     except (ManagerError, OSError):
         os.close(w)
         return
     finally:
         os.close(r)                      # (in the kernel now: _post waited)
-    _fork_tokens[threading.get_ident()] = w
+    _fork_token, _fork_parent = w, os.getpid()
 
 
 @forks.in_parent
 def _after_fork_in_parent() -> None:
-    w = _fork_tokens.pop(threading.get_ident(), None)
-    if w is not None:
-        os.close(w)                      # the child's copy holds the paths now
+    global _fork_token
+    if _fork_token >= 0:
+        os.close(_fork_token)            # the child's copy holds the names now
+        _fork_token = -1
 
 
 _inherited = False                      # (in a forked child) the parent was a client
@@ -689,28 +707,41 @@ _inherited = False                      # (in a forked child) the parent was a c
 def _detach_in_child() -> None:
     """(first of the fork hooks) The inherited socket is the parent's identity: a record the
     child sent on it would be the parent's. Close the child's copy before anything can post."""
-    global _lock, _pending, _sock, _inherited
+    global _lock, _pending, _sock, _inherited, _adopted, _unheld
     _lock = threading.Lock()
     _pending = collections.deque()       # the parent's records: the parent sends them
     _inherited = _sock is not None
     if _sock is not None:
         _sock.close()
         _sock = None
+    if _adopted is not None:             # the token of the fork that made the parent
+        _adopted.close_inherited()
+        _adopted = None
+    _unheld = []
 
 
-def after_fork_in_child(held_paths: list[str]) -> None:
-    """(called by segment's fork hook) Connect and hold the named segments the child maps,
-    then let go of the fork's token (the parent held them for the child until now)."""
-    global _dead
-    inherited = list(_fork_tokens.values())
-    _fork_tokens.clear()
+def unheld_in_child(paths: "list[str]") -> None:
+    """(a forked child's hook) Names the parent holds that this child does not map."""
+    _unheld.extend(paths)
+
+
+def after_fork_in_child(unheld: "list[str]", mapped: "list[str]") -> None:
+    """(called by segment's fork hook, last) Connect and hold what the fork's token holds (the
+    parent held it for the child until now), less ``unheld`` and what ``unheld_in_child`` was
+    told. Without a token (the parent could not make one): hold ``mapped`` name by name."""
+    global _dead, _fork_token, _adopted
+    w, _fork_token = _fork_token, -1
     try:
         if _inherited:
             ensure()
-            for path in held_paths:
-                _post(b"H", path)        # (in the kernel on return: before the token ends)
+            if w >= 0:
+                _post_all([(b"A", b"%d %d" % (os.fstat(w).st_ino, _fork_parent))]
+                          + [(b"D", path) for path in {*unheld, *_unheld}])
+            else:
+                _post_all([(b"H", path) for path in mapped])
     except (ManagerError, OSError) as e:
         _dead = _dead or str(e)
     finally:
-        for w in inherited:              # (another thread's fork token too, if one was open)
-            os.close(w)
+        _unheld.clear()
+        if w >= 0:
+            _adopted = fds.Fd(w)         # the token ends when the daemon applies ``A``

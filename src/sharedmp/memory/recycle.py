@@ -163,9 +163,10 @@ def give_named(size, mapping, path, nxt, directory, address, since=None, availab
         return True
 
 
-def take_named(size, directory):
+def take_named(size, directory, making):
     """(mapping, path, address) of a kept named segment of ``size`` bytes in ``directory``
-    that the daemon found free, now at its new path; or None."""
+    that the daemon found free, now at its new path (added to ``making``: see
+    ``segment._making``); or None."""
     with _lock:
         if not _entries:
             return None
@@ -178,14 +179,17 @@ def take_named(size, directory):
                 _entries.remove(entry)
                 _drop(entry)
                 continue
+            making.add(entry[5])
             try:
                 os.rename(entry[8], entry[5])
             except FileNotFoundError:         # not free yet (or given up: let go when idle)
+                making.discard(entry[5])
                 tries += 1
                 if tries >= MAX_TRIES:
                     break
                 continue
             except OSError:
+                making.discard(entry[5])
                 _entries.remove(entry)
                 _drop(entry)
                 continue
@@ -279,11 +283,14 @@ def _unpark(entry):
 
 @forks.in_child
 def _after_fork_in_child() -> None:
-    # The parent reuses these segments; a child must not write into them (nor hold their fds).
+    # The parent reuses these segments; a child must not write into them (nor hold their fds,
+    # nor their names: the fork's token held them for it).
     global _total
     for entry in _entries:
         if entry[2] is not None:
             entry[2].close_inherited()
+        else:
+            manager.unheld_in_child([entry[4], entry[5]])
     _entries.clear()
     _total = 0
 

@@ -130,6 +130,12 @@ _lock = threading.Lock()
 # again before the old mapping's finalizer runs: an entry is removed only by its own segment.
 _by_address: dict[int, Segment] = {}
 _addresses: list[int] = []
+# A fork holds for the child what this process holds at the daemon (``_before_fork``): a
+# segment is registered here only after its hold was told, and never between that hold and
+# the fork (``_fork_gate``, held across it); names being made or attached, told and not yet
+# registered, are in ``_making``: a child does not map them.
+_fork_gate = threading.Lock()
+_making: set[str] = set()
 
 # A receiver keeps the few small segments (arenas) it attached last mapped, even with no
 # view left: a stream of small arrays, each dropped after use, would otherwise map and
@@ -204,12 +210,14 @@ def _address(mm):
 
 
 def _register(seg, mm):
-    with _lock:
+    with _fork_gate, _lock:
         _by_mapping[id(mm)] = seg
         _by_key[seg.key] = seg
         if seg.address not in _by_address:
             bisect.insort(_addresses, seg.address)
         _by_address[seg.address] = seg
+        if seg.path is not None:
+            _making.discard(seg.path)
     if seg.kind == "file_system" and seg.recycle is not None:
         seg.mapping = _Lease(mm, _lease_gone)        # (a lighter finalizer: see ``revive``)
         seg.mapping.seg, seg.mapping.mid = seg, id(mm)
@@ -443,7 +451,7 @@ def create(size: int, kind: str, zero: bool = True,
             return _adopt_memfd(size, *reused, reused=True, zero=zero)
     elif recycle.kept()[0]:
         manager.check()             # (a segment reused tells the daemon nothing: is it there?)
-        named = recycle.take_named(size, shm_dir())
+        named = recycle.take_named(size, shm_dir(), _making)
         if named is not None:
             mm, path, address = named
             return _adopt_named(size, mm, path, reused=True, zero=zero, revivable=revivable,
@@ -605,14 +613,17 @@ def _create_named(size, revivable=False):
         path = os.path.join(directory, name)
         # The daemon hears of the name before the file exists: if this process is killed
         # at any point from here on, the daemon unlinks what it made.
-        manager.created(path)
+        _making.add(path)
         try:
+            manager.created(path)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW,
                          0o600)
             break
         except FileExistsError:
+            _making.discard(path)
             manager.forget(path)       # someone else's file: not ours to unlink
         except BaseException:
+            _making.discard(path)
             manager.forget(path)       # nothing was made
             raise
     try:
@@ -624,6 +635,7 @@ def _create_named(size, revivable=False):
         finally:
             os.close(fd)  # the mapping keeps the memory; the name is how others find it
     except BaseException:
+        _making.discard(path)
         os.unlink(path)
         manager.dropped(path)
         raise
@@ -757,11 +769,8 @@ def attach_name(name: str, consume: bool = True, token: int = -1) -> SegmentMapp
     finally:
         os.close(fd)
     seg = Segment("file_system", name, st.st_size, -1, name, mm, owner=False, path=path)
+    _hold(path, consume, token)
     _register(seg, mm)
-    if consume:
-        manager.received(path)         # holds it now; the reference in flight is consumed
-    else:                              # holds it now, before the message's token is closed
-        manager.holds(path, token)
     if st.st_size == KEEP_RECENT_NAMED_SIZE:
         _keep_recent(mm, seg)
     return mm
@@ -770,35 +779,59 @@ def attach_name(name: str, consume: bool = True, token: int = -1) -> SegmentMapp
 def _attach_parked(path, consume, token):
     """The mapping of a segment this process made and parked (it holds it again: out of the
     pool), or None."""
+    _making.add(path)
     kept = recycle.take_back(path)
     if kept is None:
+        _making.discard(path)
         return None
-    mm = _adopt_named(len(kept), kept, path, reused=False, zero=False, revivable=False)[1]
-    if consume:
-        manager.received(path)
-    else:
-        manager.holds(path, token)
-    return mm
+    _hold(path, consume, token)
+    return _adopt_named(len(kept), kept, path, reused=False, zero=False, revivable=False)[1]
+
+
+def _hold(path, consume, token):
+    """Tell the daemon this process holds ``path`` now (before it is registered: a fork from
+    then on holds it for the child): received (``consume``), or held before the message's
+    token is closed."""
+    _making.add(path)
+    try:
+        if consume:
+            manager.received(path)     # the reference in flight is consumed
+        else:
+            manager.holds(path, token)
+    except BaseException:
+        _making.discard(path)
+        raise
 
 
 # (before the hook below: a finalizer run by it takes ``_lock``, which another thread of the
-# parent may have held at the fork)
-forks.renew_locks(globals(), "_lock")
+# parent may have held at the fork; ``_fork_gate``, which the forking thread held)
+forks.renew_locks(globals(), "_lock", "_fork_gate")
 
 
 @forks.before
 def _before_fork() -> None:
-    # The parent holds its named segments for the child until the child holds them itself
-    # (manager.py, "Fork"). (One C-level copy of the values: no lock, so no wait in a fork.)
-    manager.before_fork([s.path for s in list(_by_key.values()) if s.path is not None])
+    # The parent holds what it holds for the child until the child holds it itself
+    # (manager.py, "Fork"); no segment is registered from here until the fork has returned.
+    # (The gate is not taken by finalizers: one run by this thread meanwhile cannot wait on it.)
+    _fork_gate.acquire()
+    manager.before_fork()
+
+
+@forks.in_parent
+def _after_fork_in_parent() -> None:
+    _fork_gate.release()
 
 
 @forks.in_child
 def _after_fork_in_child() -> None:
     _recent.clear()                 # the parent's cache; the child keeps what it uses itself
-    for seg in list(_pending):      # the parent's, unviewed: the child does not hold them
+    unheld = list(_making)          # another thread's, under way: gone with it
+    _making.clear()
+    for seg in list(_pending):      # the parent's, unviewed: the child does not map them
         _unregister(seg, None)
         seg.recycle, seg.pending = None, False
+        if seg.path is not None:
+            unheld.append(seg.path)
     _pending.clear()
     # The child maps what the parent mapped: it holds those names too, on its own connection.
-    manager.after_fork_in_child([s.path for s in _by_key.values() if s.path is not None])
+    manager.after_fork_in_child(unheld, [s.path for s in _by_key.values() if s.path is not None])
