@@ -1,4 +1,4 @@
-"""Children that never outlive their parent: PR_SET_PDEATHSIG, set in every child.
+"""Children that never outlive their parent: PR_SET_PDEATHSIG, or a watcher (forkserver).
 
 Every Process of a sharedmp context (so spawn()'s children and Pool workers too)
 records at ``start()`` which process starts it; the child, first thing in
@@ -9,16 +9,18 @@ before the ``prctl``, and the kernel would then never send the signal.
 - fork, spawn: the child's OS parent is the starting process.
 - forkserver: the OS parent is the fork server, a helper that may die (or be killed) while
   the starting process lives on: the standard library then starts another server and the
-  running children go on. So a forkserver child does not watch its OS parent. The starting
-  process keeps one pipe, made at its first forkserver start; each forkserver child gets a
-  copy of the read end (``DupFd``, passed by the server like the child's other fds) and
-  asks the kernel for SIGKILL when that pipe's last write end closes: ``O_ASYNC`` with
-  ``F_SETSIG`` on a description of the pipe of its own (fcntl(2); pipe(7) signals its
-  readers when the writers are gone). The
-  write end lives in the starting process only (made non-inheritable, closed in its fork
-  children), so it closes when that process dies however it dies. After arming, the child
-  looks for EOF once, in case the starter died before. CPython gives every forkserver
-  child the write end of the server's own "alive" pipe too
+  running children go on. So a forkserver child does not watch its OS parent, and nothing of
+  the watch is in the child either, whose fds and image are its own to close or exec: the
+  starting process starts one *watcher* (``_WATCHER``, an exec'd Python that imports no
+  more than it needs) at its first forkserver start, and gives it a pidfd of itself. Each
+  forkserver child gets that pidfd and the watcher's socket (``DupFd``, passed by the
+  server like the child's other fds), sends the watcher a pidfd of itself, closes both,
+  and then looks once whether the starter is gone (it died before the watcher could have
+  heard of this child: the watcher reads what was sent before it acts). When the starter
+  dies, the watcher SIGKILLs every child it holds that still runs, and exits. A pidfd
+  follows a process, not its program: as for spawn children, an exec of the starter
+  leaves the children running, and they die when what it became dies. CPython gives every
+  forkserver child the write end of the server's own "alive" pipe too
   (``forkserver._forkserver_alive_fd``), which it never uses (a child that starts
   forkserver children launches its own server); while a child holds it the server never
   sees EOF, so the child closes it.
@@ -34,24 +36,23 @@ thread is only abandoned at interpreter exit, after multiprocessing has joined o
 terminated the children it knows.)
 
 SIGKILL, because a parent-death signal that the child can catch or ignore does not
-make it die; the kernel frees its memfd segments all the same. Linux only: elsewhere,
-and with ``SHAREDMP_KEEP_ORPHANS=1``, nothing here does anything.
+make it die; the kernel frees its memfd segments all the same. Linux only (pidfds: 5.3+):
+elsewhere, and with ``SHAREDMP_KEEP_ORPHANS=1``, nothing here does anything.
 """
-import fcntl
 import multiprocessing
 import os
 import select
 import signal
+import socket
 import threading
 
-from .. import _compat, forks, host, settings
+from .. import _compat, fds, forks, host, settings
 
 
 ENV = settings.KEEP_ORPHANS
 HAVE_PDEATHSIG = host.HAVE_PDEATHSIG
 SIGNAL = signal.SIGKILL
 _PR_SET_PDEATHSIG = 1
-_F_SETSIG = 10                     # (fcntl.h, Linux; the fcntl module does not name it)
 
 
 def keep_orphans():
@@ -64,13 +65,16 @@ class DieWithParent(_compat.ChildStart):
 
     def start(self) -> None:
         # What the child checks: (pid of the starting process, None or, for a forkserver
-        # child, the read end of the starting process's pipe).
-        self._sharedmp_parent = None
+        # child, the starter's pidfd and the socket to its watcher).
+        self._sharedmp_parent: tuple[int, _Watched | None] | None = None
         if HAVE_PDEATHSIG and not keep_orphans():
             # (_start_method None: the default's)
             method = _compat.start_method_of(self) or multiprocessing.get_start_method()
             via_forkserver = method == "forkserver"
-            self._sharedmp_parent = (os.getpid(), _StarterPipe() if via_forkserver else None)
+            if not via_forkserver:
+                self._sharedmp_parent = (os.getpid(), None)
+            elif (watch := _watcher()) is not None:
+                self._sharedmp_parent = (os.getpid(), _Watched(watch))
             if method == "fork":
                 _prctl()                   # a fork child inherits it: imports nothing itself
             # (a forkserver child's OS parent is the fork server's thread, not ours)
@@ -98,11 +102,11 @@ def _prctl():
     return _libc
 
 
-def arm(parent_pid, starter_pipe=None):
+def arm(parent_pid, watched=None):
     """(in the child) Die with the parent; die now if the parent is already gone.
-    ``starter_pipe``: for a forkserver child, the fd of its starter's pipe."""
-    if starter_pipe is not None:
-        return _arm_forkserver_child(starter_pipe)
+    ``watched``: for a forkserver child, (the starter's pidfd, the socket to its watcher)."""
+    if watched is not None:
+        return _arm_forkserver_child(*watched)
     ctypes, libc = _prctl()
     if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(SIGNAL), ctypes.c_ulong(0),
                   ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
@@ -115,58 +119,114 @@ def arm(parent_pid, starter_pipe=None):
         os.kill(os.getpid(), SIGNAL)
 
 
-# -- forkserver children: the starting process's pipe ------------------------------------
+# -- forkserver children: the starter's watcher ------------------------------------------
 
-_pipe = None                     # (read end, write end) where forkserver children are started
-_watched = None                  # in a forkserver child: the read end it watches
+# python -I -S -c _WATCHER <pidfd of the starter> <the watcher's end of the socket>
+_WATCHER = """
+import os, resource, select, signal, socket, sys
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):    # (what ends a program's group)
+    signal.signal(sig, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+starter, sock = int(sys.argv[1]), socket.socket(fileno=int(sys.argv[2]))
+sock.setblocking(False)
+poller, children = select.poll(), set()
+poller.register(starter, select.POLLIN)
+poller.register(sock, select.POLLIN)
+
+def take():
+    while True:
+        try:
+            fds = socket.recv_fds(sock, 1, 16)[1]
+        except OSError:                         # (none left)
+            return
+        for fd in fds:
+            children.add(fd)
+            poller.register(fd, select.POLLIN)
+
+while True:
+    for fd, events in poller.poll():
+        if fd == starter:
+            take()
+            for child in children:
+                try:
+                    signal.pidfd_send_signal(child, signal.SIGKILL)
+                except OSError:
+                    pass                        # (it has just ended)
+            sys.exit()
+        if fd == sock.fileno():
+            take()
+        else:                                   # a child ended
+            poller.unregister(fd)
+            children.discard(fd)
+            os.close(fd)
+"""
+
+_watch = None                    # (pidfd of this process, socket to its watcher) once started
 
 
-def _starter_pipe():
-    global _pipe
+def _watcher():
+    """(this process's pidfd, the socket to its watcher): the watcher started at the first
+    call; None where pidfds are missing (Linux before 5.3), said once."""
+    global _watch
     with _starter_lock:
-        if _pipe is None:
-            _pipe = os.pipe()          # (non-inheritable: exec'd children never hold it)
-        return _pipe[0]
+        if _watch is None:
+            try:
+                me = fds.Fd(os.pidfd_open(os.getpid()))
+            except (AttributeError, OSError) as e:
+                import warnings
+                warnings.warn(f"sharedmp: no pidfd ({e}): forkserver children will outlive the "
+                              "process that started them if it dies", RuntimeWarning, stacklevel=3)
+                _watch = False
+                return None
+            from multiprocessing import spawn, util
+            ours, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            with ours, its:
+                exe = spawn.get_executable()
+                util.spawnv_passfds(exe, [exe, "-I", "-S", "-c", _WATCHER, str(me.fd),
+                                          str(its.fileno())], (me.fd, its.fileno()))
+                _watch = (me, fds.Fd(ours.detach()))
+        return _watch or None
 
 
-class _StarterPipe:
-    """Pickled into a forkserver child's Process: a copy of the read end, which the fork
-    server hands the child with its other fds (``DupFd`` while the child is launched)."""
+class _Watched:
+    """Pickled into a forkserver child's Process: what it arms with, copies of the starter's
+    pidfd and of the socket to the watcher (``DupFd``: the fork server hands them to the
+    child with its other fds)."""
+
+    def __init__(self, watch):
+        self.watch = watch
 
     def __reduce__(self):
         from multiprocessing import reduction
-        return _detach, (reduction.DupFd(_starter_pipe()),)
+        return _detach, tuple(reduction.DupFd(fd.fd) for fd in self.watch)
 
 
-def _detach(dup):
-    return dup.detach()
+def _detach(*dups):
+    return tuple(dup.detach() for dup in dups)
 
 
-def _arm_forkserver_child(fd):
-    global _watched
+def _arm_forkserver_child(starter, sock):
     _compat.close_forkserver_alive_fd()
+    error = None
     try:
-        # Its own open file description of the pipe: the owner of the signal (F_SETOWN) is
-        # kept per description, and the fd received is the starter's description, shared by
-        # all its forkserver children (the last to arm would be the only one signalled).
-        own = host.reopen(fd, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        fcntl.fcntl(own, fcntl.F_SETOWN, os.getpid())
-        fcntl.fcntl(own, _F_SETSIG, SIGNAL)
-        fcntl.fcntl(own, fcntl.F_SETFL, fcntl.fcntl(own, fcntl.F_GETFL) | os.O_ASYNC)
+        with socket.socket(fileno=sock) as watcher:
+            me = os.pidfd_open(os.getpid())
+            try:
+                socket.send_fds(watcher, [b"."], [me])
+            finally:
+                os.close(me)
     except OSError as e:
-        import warnings
-        warnings.warn(f"sharedmp: fcntl(O_ASYNC) failed ({e}): this child will outlive the "
-                      "process that started it if that one dies", RuntimeWarning, stacklevel=2)
-        own = None
+        error = e
     finally:
-        # (EOF: the starter died before we armed. Asked of the fd received: a pipe opened
-        # through /proc is a FIFO to poll(), which reports no hang-up to a reader that saw
-        # no writer come and go since it opened.)
-        gone = bool(select.select([fd], [], [], 0)[0])
-        os.close(fd)
-    _watched = own
-    if gone:                                   # (armed or not)
+        gone = bool(select.select([starter], [], [], 0)[0])
+        os.close(starter)
+    if gone:                                   # (told or not)
         os.kill(os.getpid(), SIGNAL)
+    if error is not None:
+        import warnings
+        warnings.warn(f"sharedmp: the watcher was not told of this child ({error}): it will "
+                      "outlive the process that started it if that one dies", RuntimeWarning,
+                      stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,17 +276,12 @@ def _serve(requests):
 
 @forks.in_child
 def _after_fork_in_child() -> None:
-    global _starter, _pipe, _watched
+    global _starter, _watch
     _starter = None                  # the starter thread does not exist in a forked child
-    # The starter's pipe is the parent's: a fork child holding its write end would keep the
-    # parent's forkserver children alive after the parent; a watched read end belongs to the
-    # process that armed it (the signal goes to that process only).
-    for fd in (*(_pipe or ()), *((_watched,) if _watched is not None else ())):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _pipe = _watched = None
+    # The watcher watches the parent: a fork child starts its own for its forkserver children.
+    for fd in _watch or ():
+        fd.close_inherited()
+    _watch = None
 
 
 forks.renew_locks(globals(), "_starter_lock")
