@@ -15,13 +15,27 @@ so an array that shows another array's bytes (a segment recycled while still map
 someone, a stale mapping, a wrong offset in an arena) is caught, and which one it shows is
 reported.
 
+Helper threads (``Helpers``, the oracle with threads): threads of the driver that make and
+drop arrays (a 1 MiB segment of its own and 8 KiB carved from an arena each step, the last
+few kept) and receive arrays from a feeder process, running while the main thread forks (raw
+``os.fork()`` children, fork-context Processes, torch DataLoader workers). A fork child keeps
+what the threads held at the fork (their ids count from ``THREAD_IDS``: the model does not
+know them, only that each holds its own pattern) while the threads go on dropping and making
+new ones of the same sizes: a segment made, mapped or taken from the pool between the fork
+hook's list of what the child inherits and the fork itself, then recycled by the parent,
+shows in the child as another array's bytes.
+
 This module is also imported (as ``_lifetime_workers``) by the children: spawn and forkserver
 children unpickle ``child_loop`` and ``checksum`` from here, not from ``__main__``.
 """
+import collections
+import contextlib
 import gc
+import itertools
 import json
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -43,6 +57,13 @@ CLASSES = {
     "arena": 2048,        # mp.zeros: 16 KiB carved from a 4 MiB arena
     "own": 1 << 19,       # mp.zeros: 4 MiB, a segment of its own
 }
+# Arrays of the helper threads (ids from THREAD_IDS; the feeder's from FEEDER_IDS): what a
+# step makes, in elements (1 MiB: a segment of its own; 8 KiB: carved from an arena), and
+# how many arrays each thread keeps before it drops the oldest.
+THREAD_IDS = 1 << 24
+FEEDER_IDS = 1 << 26
+THREAD_SIZES = (1 << 17, 1 << 10)
+THREAD_KEEP = 8
 
 
 # -- arrays -----------------------------------------------------------------------------
@@ -58,10 +79,20 @@ def make(ident, cls):
     return a
 
 
-def verdict(ident, a):
-    """True if ``a`` holds exactly array ``ident``'s pattern, else what it holds instead."""
+def make_shared(ident, n):
+    a = mp.empty(n)
+    a[:] = pattern(ident, n)
+    return a
+
+
+def verdict(ident, a, sample=False):
+    """True if ``a`` holds exactly array ``ident``'s pattern, else what it holds instead
+    (``sample``: true if every 97th element does, a quick look)."""
     try:
         n = len(a)
+        if sample and np.array_equal(a[::97], ident * float(STEP)
+                                     + np.arange(0, n, 97, dtype=np.float64)):
+            return True
         if np.array_equal(a, pattern(ident, n)):
             return True
         bad = np.flatnonzero(a != pattern(ident, n))
@@ -121,7 +152,7 @@ def _get(channel, kind):
     return channel.get() if kind == "simple_queue" else channel.recv()
 
 
-def child_loop(conn, channels, held, args=()):
+def child_loop(conn, channels, held, args=(), extra=()):
     """A child's command loop on ``conn``, its end of a *standard* ``multiprocessing.Pipe``:
     commands and checks carry no arrays and must not call into sharedmp, so that checking a
     fork child does not change what it told the manager daemon (a child that has not used
@@ -129,12 +160,14 @@ def child_loop(conn, channels, held, args=()):
 
     ``channels``: {kind: channel} the parent sends arrays on (a sharedmp Pipe is "pipe");
     ``held``: {id: [arrays]} it holds from the start (a fork child: what it inherited);
-    ``args``: [(id, array)] it was started with (Process arguments).
+    ``args``: [(id, array)] it was started with (Process arguments);
+    ``extra``: the helper threads' lists of [(id, array)] (a fork child: as they were at the
+    fork), kept to the end.
     """
-    held = {i: list(v) for i, v in held.items()}
+    held = inherited(held, extra)
     for i, a in args:
         held.setdefault(i, []).append(a)
-    del args
+    del args, extra
     while True:
         if not conn.poll(WAIT * 4):
             return                              # the parent is gone or stuck: leave
@@ -173,11 +206,21 @@ def child_loop(conn, channels, held, args=()):
             conn.send(("error", traceback.format_exc()))
 
 
-def _raw_fork_main(conn, channels, held):
+def inherited(held, extra=()):
+    """{id: [arrays]}: a copy of ``held``, with the arrays of the helper threads' lists
+    ``extra`` (a fork child's: as they were at the fork; no thread runs there to change them)."""
+    out = {i: list(v) for i, v in held.items()}
+    for kept in extra:
+        for i, a in list(kept):
+            out.setdefault(i, []).append(a)
+    return out
+
+
+def _raw_fork_main(conn, channels, held, extra=()):
     code = 1
     try:
         _die_with_parent()
-        child_loop(conn, channels, held)
+        child_loop(conn, channels, held, extra=extra)
         code = 0
     except BaseException:       # noqa: BLE001
         traceback.print_exc()
@@ -192,6 +235,190 @@ def _die_with_parent():
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
     except Exception:           # noqa: BLE001 -- best effort (the test kills the group anyway)
         pass
+
+
+def burst_child(out_fd, held, extra, hold_ms):
+    """A short-lived fork child of a burst: keep what it inherited (the parent's arrays and the
+    helper threads' as they were at the fork) for ``hold_ms`` while the parent's threads drop
+    and make arrays, check every one, report [(id, verdict)] as a JSON line on ``out_fd``."""
+    mine = inherited(held, extra)
+    del held, extra
+    time.sleep(hold_ms / 1000)
+    os.write(out_fd, json.dumps(check_held(mine)).encode() + b"\n")
+    os.close(out_fd)
+
+
+def _raw_burst_main(out_fd, held, extra, hold_ms):
+    code = 1
+    try:
+        _die_with_parent()
+        burst_child(out_fd, held, extra, hold_ms)
+        code = 0
+    except BaseException:       # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def read_line(fd, timeout):
+    """A JSON line from ``fd`` (None if none came whole within ``timeout`` s)."""
+    import select
+    data, end = b"", time.monotonic() + timeout
+    while not data.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    return json.loads(data)
+
+
+class ForkedCheck:
+    """A torch Dataset (duck-typed) whose DataLoader workers, forked while the helper threads
+    run, report on what they inherited: item k is (pid, [(id, verdict)]) after ``hold_ms``."""
+
+    def __init__(self, held, extra, hold_ms, n):
+        self.held, self.extra, self.hold_ms, self.n = held, extra, hold_ms, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, k):
+        mine = inherited(self.held, self.extra)     # (a worker's: as they were at its fork)
+        time.sleep(self.hold_ms / 1000)
+        return os.getpid(), check_held(mine)
+
+
+def first(batch):
+    """DataLoader collate_fn: the one sample of a batch, as it is."""
+    return batch[0]
+
+
+def feeder(q, stop, base):
+    """A process that makes arrays (ids from ``base``) and puts them on ``q`` (bounded) for the
+    driver's receiving thread, until ``stop`` is set."""
+    ids = itertools.count(base)
+    while not stop.is_set():
+        for n in THREAD_SIZES:
+            i = next(ids)
+            item = (i, make_shared(i, n))
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    pass
+            del item
+
+
+class Helpers:
+    """The driver's helper threads: "alloc" makes and drops arrays, "recv" receives them from a
+    feeder process (started by ``feeder_method``); each keeps its last THREAD_KEEP (the lists
+    of ``kept``) and checks every array as it drops it (and one received as it comes). They
+    run while ``running()`` (around the driver's forks) and wait otherwise."""
+
+    def __init__(self, kinds, feeder_method):
+        self.kept = [[] for _ in kinds]
+        self.go = threading.Event()
+        self.stop_now = threading.Event()
+        self.stats = collections.Counter()
+        self.bad = []
+        self.feeder = None
+        if "recv" in kinds:
+            ctx = mp.get_context(feeder_method)
+            self.queue, self.feeder_stop = ctx.Queue(2), ctx.Event()
+            self.feeder = ctx.Process(target=feeder, args=(self.queue, self.feeder_stop,
+                                                           FEEDER_IDS), daemon=True)
+            self.feeder.start()
+        self.threads = [threading.Thread(target=getattr(self, "_" + k), args=(kept,),
+                                         name=f"helper-{j}-{k}", daemon=True)
+                        for j, (k, kept) in enumerate(zip(kinds, self.kept))]
+        for t in self.threads:
+            t.start()
+
+    def lists(self):
+        return list(self.kept)
+
+    @contextlib.contextmanager
+    def running(self):
+        self.go.set()
+        time.sleep(0.005)           # (the threads wake)
+        try:
+            yield
+        finally:
+            self.go.clear()
+
+    def _wait_turn(self):
+        while not self.stop_now.is_set():
+            if self.go.wait(0.05):
+                return True
+        return False
+
+    def _keep(self, kept, i, a, kind, check):
+        if check:
+            v = verdict(i, a)
+            if v is not True:
+                self.bad.append((kind, "when received", i, v))
+        kept.append((i, a))
+        self.stats[f"thread_{kind}"] += 1
+        while len(kept) > THREAD_KEEP:
+            i, a = kept.pop(0)
+            v = verdict(i, a, sample=True)
+            if v is not True:
+                self.bad.append((kind, "when dropped", i, v))
+            del a
+            self.stats[f"thread_drops_{kind}"] += 1
+
+    def _alloc(self, kept):
+        ids = itertools.count(THREAD_IDS)
+        while self._wait_turn():
+            for n in THREAD_SIZES:
+                i = next(ids)
+                self._keep(kept, i, make_shared(i, n), "alloc", False)
+
+    def _recv(self, kept):
+        while self._wait_turn():
+            try:
+                i, a = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._keep(kept, i, a, "recv", True)
+            del a
+
+    def stop(self):
+        """Stop the threads and the feeder, let go of what they hold; problems (a list)."""
+        problems = []
+        self.stop_now.set()
+        for t in self.threads:
+            t.join(WAIT)
+            if t.is_alive():
+                problems.append(f"helper thread {t.name} did not stop within {WAIT} s")
+        for kept in self.kept:
+            del kept[:]
+        if self.feeder is not None:
+            self.feeder_stop.set()
+            self.feeder.join(WAIT)
+            if self.feeder.is_alive():
+                problems.append(f"the feeder (pid {self.feeder.pid}) did not stop (killed)")
+                os.kill(self.feeder.pid, signal.SIGKILL)
+                self.feeder.join(5)
+            elif self.feeder.exitcode != 0:
+                problems.append(f"the feeder exit code {self.feeder.exitcode}")
+            while True:                 # what it sent last, never received: let go
+                try:
+                    self.queue.get(timeout=0.2)
+                except (queue.Empty, OSError, EOFError):
+                    break
+            self.queue.close()
+            self.queue.join_thread()
+            self.feeder = None
+        if self.bad:
+            problems.append(f"helper threads saw arrays whose bytes are not their own: "
+                            f"{self.bad[:5]}")
+        gc.collect()
+        return problems
 
 
 # -- the driver -------------------------------------------------------------------------
@@ -286,6 +513,17 @@ class Driver:
         self.sizes = {}         # id: elements
         self.children = {}      # cid: Child
         self.pools = {}         # (kind, method): Pool or ProcessPoolExecutor
+        self.helpers = None     # Helpers (the oracle with threads)
+
+    def _around_fork(self):
+        """While the driver forks: its helper threads run (if it has any)."""
+        return self.helpers.running() if self.helpers else contextlib.nullcontext()
+
+    def _thread_lists(self):
+        return self.helpers.lists() if self.helpers else []
+
+    def do_helpers(self, kinds, feeder):
+        self.helpers = Helpers(kinds, feeder)
 
     # commands: each returns what goes into the reply
     def do_alloc(self, id, cls):
@@ -311,19 +549,22 @@ class Driver:
         channels = {"queue": ctx.Queue(), "simple_queue": ctx.SimpleQueue(), "pipe": pipe,
                     # the standard library's queue, created after `import sharedmp`
                     "std_queue": multiprocessing.get_context(ctx.get_start_method()).Queue()}
-        inherit = self.held if method in ("fork", "raw_fork") else {}
-        if method == "raw_fork":
-            pid = os.fork()
-            if pid == 0:
-                conn.close()
-                ours.close()
-                _raw_fork_main(theirs, channels, inherit)
-            child = Child(cid, method, conn, dict(channels, pipe=ours), pid=pid)
-        else:
-            proc = ctx.Process(target=child_loop, daemon=True,
-                               args=(theirs, channels, inherit, self._arrays(ids)))
-            proc.start()
-            child = Child(cid, method, conn, dict(channels, pipe=ours), proc=proc)
+        forks = method in ("fork", "raw_fork")
+        inherit = self.held if forks else {}
+        extra = self._thread_lists() if forks else []       # (as they are at the fork)
+        with self._around_fork() if forks else contextlib.nullcontext():
+            if method == "raw_fork":
+                pid = os.fork()
+                if pid == 0:
+                    conn.close()
+                    ours.close()
+                    _raw_fork_main(theirs, channels, inherit, extra)
+                child = Child(cid, method, conn, dict(channels, pipe=ours), pid=pid)
+            else:
+                proc = ctx.Process(target=child_loop, daemon=True,
+                                   args=(theirs, channels, inherit, self._arrays(ids), extra))
+                proc.start()
+                child = Child(cid, method, conn, dict(channels, pipe=ours), proc=proc)
         for i in drop:
             self.held.pop(i, None)
         gc.collect()
@@ -393,15 +634,87 @@ class Driver:
         return {"results": out}
 
     def do_check(self):
-        """{process: [(id, verdict)]} of the driver ("parent") and every live child."""
+        """{process: [(id, verdict)]} of the driver ("parent") and every live child; what the
+        helper threads found wrong in their own arrays."""
         out = {"parent": check_held(self.held)}
         for cid, child in self.children.items():
             out[cid] = child.ask("check")
-        return {"held": out}
+        return {"held": out, "threads_bad": self.helpers.bad[:5] if self.helpers else []}
+
+    def do_fork_burst(self, method, n, hold_ms, at_once):
+        """``n`` short-lived fork children (raw ``os.fork()`` or fork-context Processes), at
+        most ``at_once`` alive, forked while the helper threads run: each keeps what it
+        inherited for ``hold_ms``, then reports its verdicts; [[(id, verdict)]] per child."""
+        ctx = mp.get_context("fork")
+        extra, live, out, problems = self._thread_lists(), collections.deque(), [], []
+
+        def collect():
+            pid, proc, r = live.popleft()
+            try:
+                rep = read_line(r, WAIT)
+            finally:
+                os.close(r)
+            child = Child("burst", method, None, {}, proc=proc, pid=pid)
+            code = child.join(WAIT)
+            if code is None:
+                child.kill()
+            if rep is None or code != 0:
+                problems.append(f"burst child pid {pid} ({method}): report "
+                                f"{'none' if rep is None else 'sent'}, exit code {code}")
+            out.append(rep or [])
+
+        try:
+            with self._around_fork():
+                for _ in range(n):
+                    while len(live) >= at_once:
+                        collect()
+                    r, w = os.pipe()
+                    proc = None
+                    if method == "raw_fork":
+                        pid = os.fork()
+                        if pid == 0:
+                            os.close(r)
+                            _raw_burst_main(w, self.held, extra, hold_ms)
+                    else:
+                        proc = ctx.Process(target=burst_child, daemon=True,
+                                           args=(w, self.held, extra, hold_ms))
+                        proc.start()
+                        pid = proc.pid
+                    os.close(w)
+                    live.append((pid, proc, r))
+                while live:
+                    collect()
+        finally:
+            for pid, proc, r in live:               # (after an error: none left behind)
+                Child("burst", method, None, {}, proc=proc, pid=pid).kill()
+                os.close(r)
+        if problems:
+            raise RuntimeError("; ".join(problems[:5]))
+        return {"children": out, "threads_bad": self.helpers.bad[:5] if self.helpers else []}
+
+    def do_dataloader(self, workers, hold_ms):
+        """A torch DataLoader over ``ForkedCheck`` with ``workers`` fork workers (sharedmp's
+        fork context), started and run while the helper threads run; {pid: [[(id, verdict)]]}
+        per worker."""
+        from torch.utils.data import DataLoader
+        loader = DataLoader(ForkedCheck(self.held, self._thread_lists(), hold_ms, 2 * workers),
+                            batch_size=1, num_workers=workers, collate_fn=first,
+                            multiprocessing_context=mp.get_context("fork"), timeout=WAIT)
+        out = collections.defaultdict(list)
+        with self._around_fork():
+            for pid, pairs in loader:
+                out[pid].append(pairs)
+        del loader
+        gc.collect()
+        return {"workers": out, "threads_bad": self.helpers.bad[:5] if self.helpers else []}
 
     def do_finish(self):
         """Teardown: children exit, pools close, everything is let go; then what is left."""
-        problems = []
+        problems, threads = [], {}
+        if self.helpers is not None:
+            problems += self.helpers.stop()
+            threads = dict(self.helpers.stats)
+            self.helpers = None
         for cid, child in list(self.children.items()):
             try:
                 child.ask("exit", timeout=10)
@@ -458,7 +771,7 @@ class Driver:
         if busy:
             problems.append(f"the daemon's counts are not back to zero: {stats} (clients "
                             "counts this parent's own connection)")
-        return {"problems": problems, "stats": stats}
+        return {"problems": problems, "stats": stats, "threads": threads}
 
 
 def main():

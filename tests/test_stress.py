@@ -13,6 +13,7 @@ import pytest
 from sharedmp.cli import stress
 
 SECONDS = 24            # two epochs of ~9 s: file_descriptor, then file_system
+THREADED_SECONDS = 8    # two epochs of ~1 s of fork events beside threads
 
 
 @pytest.mark.timeout(SECONDS + 2 * stress.GRACE + 120)
@@ -55,6 +56,40 @@ def test_fork_events_and_pattern_checks(tmp_path):
     assert t["fork_child_checks"] >= 2 * len(stress.FORK_CLASSES) * t["fork_events"]
     assert t["pattern_checks"] > t["fork_child_checks"]
     assert "fork events" in proc.stdout and "left             0" in proc.stdout
+
+
+@pytest.mark.slow       # (the oracle with threads: test_lifetime.py)
+@pytest.mark.timeout(THREADED_SECONDS + 2 * stress.GRACE + 120)
+def test_fork_events_beside_threads(tmp_path):
+    """A few seconds of fork events all beside the forker's helper threads (``--fork-threads
+    always``: they make, drop and receive arrays while it forks): every child checks the
+    threads' arrays it inherited (both strategies); none changed, nothing left."""
+    out = tmp_path / "stress.json"
+    proc = subprocess.run([sys.executable, "-m", "sharedmp", "stress", "--seconds",
+                           str(THREADED_SECONDS), "--seed", "11", "--fork-threads", "always",
+                           "--json", str(out)], capture_output=True, text=True,
+                          timeout=THREADED_SECONDS + 2 * stress.GRACE + 90)
+    assert out.exists(), proc.stdout + proc.stderr
+    rep = json.loads(out.read_text())
+    t = rep["totals"]
+    assert rep["config"]["fork_threads"] == "always"
+    assert (t["corrupted"], t["lost"], t["left"]) == (0, 0, 0), proc.stdout
+    assert t["fork_thread_corrupted"] == 0 and t["fork_unreported"] == 0, proc.stdout
+    assert t["fork_threaded"] == t["fork_events"] > 0, proc.stdout
+    for strategy in ("file_descriptor", "file_system"):
+        assert t["by_strategy"][strategy]["fork_threaded"] > 0, t["by_strategy"]
+    assert t["fork_thread_arrays"] > 0 and t["fork_thread_checks"] > 0, proc.stdout
+    assert proc.returncode == 0 and rep["ok"], proc.stdout + proc.stderr
+    assert "beside threads" in proc.stdout
+
+
+def test_which_fork_events_run_beside_threads():
+    assert [stress.threaded(n, "alternate") for n in range(8)] == \
+        [False, False, True, True] * 2              # an os.fork and a Process each
+    assert all(stress.threaded(n, "always") for n in range(8))
+    assert not any(stress.threaded(n, "never") for n in range(8))
+    with pytest.raises(ValueError):
+        stress.stress(1, fork_threads="sometimes")
 
 
 def test_patterns_are_unique_and_survive_views():

@@ -1,5 +1,5 @@
-"""``python -m sharedmp stress [--seconds S] [--seed N] [--json FILE]``: load, SIGKILLs,
-forks, and a count of what went wrong.
+"""``python -m sharedmp stress [--seconds S] [--seed N] [--fork-threads W] [--json FILE]``:
+load, SIGKILLs, forks (beside threads that allocate), and a count of what went wrong.
 
 The run is a series of rounds ("epochs"), alternating the two sharing strategies (and
 the spawn and forkserver start methods). Each epoch is one program::
@@ -45,6 +45,19 @@ reports (``fork_unreported``) or ends badly, and new memory of the parent that o
 memory the child still maps (``fork_reused_while_held``, from ``/proc/self/maps``) are
 problems. Every wait is bounded (``FORK_TIMEOUT``); a child still there is SIGKILLed by pid.
 
+Forks beside threads (``--fork-threads``: every other pair of fork events by default,
+``always`` or ``never``): the forker has helper threads, two that make and drop arrays (1 MiB:
+a segment of its own, 8 KiB: carved; the last ``THREAD_KEEP`` kept) and one that receives
+them from a feeder process (started with the epoch's start method), and they run through
+those events, from before the forks until the children have reported. Such an event forks
+``THREADED_CHILDREN`` children in a row (``os.fork`` and Processes in turn; ``fork_events``
+counts children): each keeps the threads' arrays as they were at its fork, checks them with
+the rest, and a change is counted as corrupted too (``fork_thread_corrupted`` of
+``fork_thread_checks``). (Such children found the fork hook's race with a thread that
+allocates: a segment made, mapped or taken from the pool between the hook's list of what the
+child inherits and the fork was not held for it, and the parent recycled it.) The
+threads check each array they drop (``pattern_checks``).
+
 Leftovers, after each epoch's program has ended: ``sharedmp_*`` files in the run's private
 shared-memory directory, fds of this process on segments, live processes of the run
 (found by a token in their environment: workers, fork server, manager daemon) and, in
@@ -52,6 +65,7 @@ the leader once its workers are gone, the references its manager daemon still tr
 ``left`` sums them (the daemon's only where no process was killed); processes of the run
 still alive are SIGKILLed by pid.
 """
+import contextlib
 import gc
 import hashlib
 import json
@@ -85,13 +99,19 @@ OPEN, EOF, TRUNCATED, FAILED = range(4)
 # ...and, per process (producers, consumers, the forker) and thread, pattern checks made and
 # failed (every array is filled with a pattern of its own: ``pattern``)...
 CHECKS, BAD = range(2)
-# ...and the forker's fork events.
+# ...and the forker's fork events (those beside its helper threads: F_THREADED; the arrays
+# the threads made or received, those of them fork children checked and found changed).
 (F_EVENTS, F_OS_FORK, F_PROCESS, F_CHILD_CHECKS, F_CHILD_BAD, F_UNREPORTED, F_REUSED,
- F_CHILD_FAILED) = range(8)
+ F_CHILD_FAILED, F_THREADED, F_THREAD_ARRAYS, F_THREAD_CHECKS, F_THREAD_BAD) = range(12)
+F_COUNTERS = 12
 HOLD = 4                     # messages a producer or consumer thread keeps before dropping
 FORK_TIMEOUT = 30.0          # seconds a fork child may take to check and report
 RECYCLE_ROUNDS = 3           # rounds of new arrays the forker makes while its child holds
 FORK_CLASSES = (("value", 256), ("arena", 16 << 10), ("own", 4 << 20))   # name, bytes
+FORK_THREADS = ("alternate", "always", "never")     # fork events beside helper threads
+THREAD_CLASSES = (("own", 1 << 20), ("arena", 8 << 10))   # what a helper thread makes a step
+THREAD_KEEP = 8              # arrays a helper thread keeps before dropping the oldest
+THREADED_CHILDREN = 12       # children a fork event beside the threads forks (one otherwise)
 DTYPES = ["|u1", "<i2", ">i4", "<i8", "<f4", "<f8", "<c8", ">c16", "|b1", "<f2", "|S5",
           [("a", "<i4"), ("b", "<f8"), ("c", "|u1")]]
 
@@ -420,21 +440,26 @@ def _count_checks(arrays):
     return len(arrays), sum(not holds_pattern(a, spec) for a, spec in arrays)
 
 
-def fork_child(arrays, go_fd, out_fd, parents_fds):
+def fork_child(arrays, go_fd, out_fd, parents_fds, thread_lists=()):
     """In a fork child: check the inherited arrays, wait until told (the parent has dropped
-    them and made new ones meanwhile), check them again, drop them, report on ``out_fd``."""
+    them and made new ones meanwhile), check them again, and the helper threads'
+    ``thread_lists`` as they were at the fork (no thread runs here; they went on dropping
+    and making arrays meanwhile), drop them, report on ``out_fd``."""
     import select
     for fd in parents_fds:
         os.close(fd)
+    theirs = [x for kept in thread_lists for x in list(kept)]
     n1, bad1 = _count_checks(arrays)
     told = bool(select.select([go_fd], [], [], FORK_TIMEOUT)[0])
-    n2, bad2 = _count_checks(arrays)
-    wrong = [f"{spec[0]:#x} {a.nbytes} B: first word {int(a[0]):#x}" for a, spec in arrays
-             if not holds_pattern(a, spec)][:3]
-    del arrays[:]
+    n2, bad2 = _count_checks(arrays + theirs)
+    tn, tbad = _count_checks(theirs)
+    wrong = [f"{spec[0]:#x} {a.nbytes} B: first word {int(a[0]):#x}"
+             + (" (a helper thread's)" if k >= len(arrays) else "")
+             for k, (a, spec) in enumerate(arrays + theirs) if not holds_pattern(a, spec)][:3]
+    del arrays[:], theirs[:]
     gc.collect()
-    os.write(out_fd, json.dumps(dict(checks=n1 + n2, bad=bad1 + bad2, told=told,
-                                     wrong=wrong)).encode() + b"\n")
+    os.write(out_fd, json.dumps(dict(checks=n1 + n2, bad=bad1 + bad2, told=told, wrong=wrong,
+                                     thread_checks=tn, thread_bad=tbad)).encode() + b"\n")
     os.close(out_fd)
 
 
@@ -481,19 +506,19 @@ def _tally(mine, arrays):
     mine[BAD] += bad
 
 
-def _start_fork_child(ctx, n, arrays, go_r, out_w, parents_fds):
+def _start_fork_child(ctx, n, arrays, go_r, out_w, parents_fds, thread_lists=()):
     """Fork a child that keeps ``arrays`` (``fork_child``): by a fork-context Process if
     ``n`` is odd, else by ``os.fork``; (pid, the Process or None)."""
     if n % 2 == 1:
-        proc = ctx.Process(target=fork_child, args=(arrays, go_r, out_w, parents_fds),
-                           name=f"fork-{n}")
+        proc = ctx.Process(target=fork_child, name=f"fork-{n}",
+                           args=(arrays, go_r, out_w, parents_fds, thread_lists))
         proc.start()
         return proc.pid, proc
     pid = os.fork()
     if pid == 0:                                   # the child: never returns
         code = 1
         try:
-            fork_child(arrays, go_r, out_w, parents_fds)
+            fork_child(arrays, go_r, out_w, parents_fds, thread_lists)
             code = 0
         finally:
             os._exit(code)
@@ -516,64 +541,229 @@ def _reuse_while_held(mp, seed, n, held, fstats, mine):
     return fresh
 
 
-def fork_event(mp, ctx, n, seed, fstats, mine, notes):
+def fork_event(mp, ctx, n, seed, fstats, mine, notes, helpers=None):
     """One fork event: make arrays, fork (``os.fork`` or a fork-context Process: ``n`` odd or
     even), drop them, make and recycle new ones of the same classes while the child holds
-    its copies, then let the child check them."""
+    its copies, then let the child check them. With ``helpers`` (``Helpers``): they run
+    through it, and the child checks what they held at the fork too."""
+    with helpers.running() if helpers is not None else contextlib.nullcontext():
+        _fork_event(mp, ctx, n, seed, fstats, mine, notes, helpers)
+
+
+def _fork_event(mp, ctx, n, seed, fstats, mine, notes, helpers):
     arrays = make_fork_set(mp, [pattern_id(seed, "fork", n, i)
                                 for i in range(2 * len(FORK_CLASSES))])
     held = _regions(arrays)
     _tally(mine, arrays)                            # its last look before it drops them
-    go_r, go_w = os.pipe()
-    out_r, out_w = os.pipe()
-    pid, proc = _start_fork_child(ctx, n, arrays, go_r, out_w, (go_w, out_r))
-    os.close(go_r)
-    os.close(out_w)
-    fstats[F_EVENTS] += 1
-    fstats[F_PROCESS if proc is not None else F_OS_FORK] += 1
-    how = "Process" if proc is not None else "os.fork"
-    rep = None
+    lists = helpers.kept if helpers is not None else ()
+    kids = []                                       # [pid, Process or None, go_w, out_r, how]
     try:
-        # At once: the child's copies are its own. (Emptied, not just unnamed: the Process
-        # object holds this list as its argument too.)
+        for c in range(THREADED_CHILDREN if helpers is not None else 1):
+            go_r, go_w = os.pipe()
+            out_r, out_w = os.pipe()
+            ours = [fd for kid in kids for fd in kid[2:4]] + [go_w, out_r]
+            pid, proc = _start_fork_child(ctx, n + c, arrays, go_r, out_w, ours, lists)
+            os.close(go_r)
+            os.close(out_w)
+            how = ("Process" if proc is not None else "os.fork") + \
+                (f" beside threads, child {c + 1}" if helpers is not None else "")
+            kids.append([pid, proc, go_w, out_r, how])
+            fstats[F_EVENTS] += 1
+            fstats[F_PROCESS if proc is not None else F_OS_FORK] += 1
+            fstats[F_THREADED] += helpers is not None
+        # At once: the children's copies are their own. (Emptied, not just unnamed: the
+        # Process objects hold this list as their argument too.)
         arrays.clear()
         gc.collect()
         fresh = _reuse_while_held(mp, seed, n, held, fstats, mine)
-        os.write(go_w, b"g")
-        rep = _read_report(out_r, FORK_TIMEOUT)
+        for kid in kids:
+            os.write(kid[2], b"g")
+        reports = [_read_report(kid[3], FORK_TIMEOUT) for kid in kids]
         _tally(mine, fresh)
         del fresh
     finally:
-        os.close(go_w)
-        os.close(out_r)
-        clean = _reap(pid, proc, FORK_TIMEOUT)
-    if rep is None:
-        fstats[F_UNREPORTED] += 1
-        notes.append(f"forker: fork event {n} ({how}): the child never reported")
-    else:
-        fstats[F_CHILD_CHECKS] += rep["checks"]
-        fstats[F_CHILD_BAD] += rep["bad"]
-        if rep["bad"]:
-            notes.append(f"forker: fork event {n} ({how}): {rep['bad']} inherited arrays "
-                         "changed under the child: " + "; ".join(rep["wrong"]))
-    if not clean:
-        fstats[F_CHILD_FAILED] += 1
+        for kid in kids:
+            os.close(kid[2])
+            os.close(kid[3])
+        cleans = [_reap(kid[0], kid[1], FORK_TIMEOUT) for kid in kids]
+    for (pid, proc, _, _, how), rep, clean in zip(kids, reports, cleans):
+        if rep is None:
+            fstats[F_UNREPORTED] += 1
+            notes.append(f"forker: fork event {n} ({how}): the child never reported")
+        else:
+            fstats[F_CHILD_CHECKS] += rep["checks"]
+            fstats[F_CHILD_BAD] += rep["bad"]
+            fstats[F_THREAD_CHECKS] += rep["thread_checks"]
+            fstats[F_THREAD_BAD] += rep["thread_bad"]
+            if rep["bad"]:
+                notes.append(f"forker: fork event {n} ({how}): {rep['bad']} inherited arrays "
+                             "changed under the child: " + "; ".join(rep["wrong"]))
+        if not clean:
+            fstats[F_CHILD_FAILED] += 1
 
 
-def forker(i, strategy, clock, checks, fstats, seed, report):
-    """Fork events until the deadline (in the epoch's strategy)."""
+def threaded(n, fork_threads):
+    """Whether fork event ``n`` runs beside the helper threads: every other pair (an
+    ``os.fork`` and a Process each) with "alternate"."""
+    return fork_threads == "always" or (fork_threads == "alternate" and n // 2 % 2 == 1)
+
+
+def thread_feeder(q, stop, seed):
+    """(a process of the forker) Make arrays of THREAD_CLASSES and put them, with their
+    pattern specs, on ``q`` (bounded) for the forker's receiving thread, until ``stop``."""
+    import queue
+    import sharedmp as mp
+    k = 0
+    while not stop.is_set():
+        for _, nbytes in THREAD_CLASSES:
+            spec = (pattern_id(seed, "feeder", k), np.dtype("<u8"), (nbytes // 8,), ())
+            a = mp.empty(spec[2], "<u8")
+            a[...] = pattern(spec[0], "<u8", spec[2])
+            k += 1
+            while not stop.is_set():
+                try:
+                    q.put((a, spec), timeout=0.2)
+                    break
+                except queue.Full:
+                    pass
+            del a
+
+
+class Helpers:
+    """The forker's helper threads: two make and drop arrays, one receives them from a
+    feeder process; each keeps its last THREAD_KEEP (``kept``: a list per thread) and checks
+    each one it drops. They run while ``running()`` and wait otherwise."""
+
+    def __init__(self, mp, feeder_ctx, seed):
+        self.mp, self.seed = mp, seed
+        self.kept = [[], [], []]
+        self.go, self.stop_now = threading.Event(), threading.Event()
+        self.made = [0, 0, 0]               # per thread: arrays made or received
+        self.checks = [[0, 0], [0, 0], [0, 0]]      # per thread: [checks, bad]
+        self.errors = []
+        self.queue, self.feeder_stop = feeder_ctx.Queue(2), feeder_ctx.Event()
+        self.feeder = feeder_ctx.Process(target=thread_feeder, name="thread-feeder",
+                                         args=(self.queue, self.feeder_stop, seed))
+        self.feeder.start()
+        self.threads = [threading.Thread(target=self._guard, args=(j, f), daemon=True,
+                                         name=f"helper-{j}")
+                        for j, f in enumerate((self._alloc, self._alloc, self._recv))]
+        for t in self.threads:
+            t.start()
+
+    @contextlib.contextmanager
+    def running(self):
+        self.go.set()
+        time.sleep(0.002)           # (the threads wake)
+        try:
+            yield
+        finally:
+            self.go.clear()
+
+    def _turn(self):
+        while not self.stop_now.is_set():
+            if self.go.wait(0.05):
+                return True
+        return False
+
+    def _keep(self, j, item):
+        kept = self.kept[j]
+        kept.append(item)
+        self.made[j] += 1
+        while len(kept) > THREAD_KEEP:
+            a, spec = kept.pop(0)
+            self.checks[j][CHECKS] += 1
+            self.checks[j][BAD] += not holds_pattern(a, spec)
+            del a
+
+    def _guard(self, j, loop):
+        try:
+            loop(j)
+        except Exception as e:      # noqa: BLE001 -- a problem of the verdict
+            self.errors.append(f"forker: helper thread {j}: {e!r}")
+
+    def _alloc(self, j):
+        k = 0
+        while self._turn():
+            for _, nbytes in THREAD_CLASSES:
+                spec = (pattern_id(self.seed, "thread", j, k), np.dtype("<u8"), (nbytes // 8,),
+                        ())
+                a = self.mp.empty(spec[2], "<u8")
+                a[...] = pattern(spec[0], "<u8", spec[2])
+                self._keep(j, (a, spec))
+                k += 1
+                del a
+
+    def _recv(self, j):
+        import queue
+        while self._turn():
+            try:
+                a, spec = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.checks[j][CHECKS] += 1
+            self.checks[j][BAD] += not holds_pattern(a, spec)
+            self._keep(j, (a, spec))
+            del a
+
+    def stop(self, fstats, row):
+        """Stop the threads and the feeder, let go of what they hold, count what they did
+        (``fstats``; their pattern checks in ``row``); problems (a list)."""
+        import queue
+        problems = list(self.errors)
+        self.stop_now.set()
+        for t in self.threads:
+            t.join(FORK_TIMEOUT)
+            if t.is_alive():
+                problems.append(f"forker: helper thread {t.name} did not stop")
+        for kept in self.kept:
+            for a, spec in kept:
+                self.checks[0][CHECKS] += 1
+                self.checks[0][BAD] += not holds_pattern(a, spec)
+            del kept[:]
+        self.feeder_stop.set()
+        self.feeder.join(FORK_TIMEOUT)
+        if self.feeder.is_alive():
+            problems.append("forker: the thread feeder did not stop (killed)")
+            os.kill(self.feeder.pid, signal.SIGKILL)
+            self.feeder.join(5)
+        while True:                 # what it sent last, never received: let go
+            try:
+                self.queue.get(timeout=0.2)
+            except (queue.Empty, OSError, EOFError):
+                break
+        self.queue.close()
+        self.queue.join_thread()
+        fstats[F_THREAD_ARRAYS] += sum(self.made)
+        row[CHECKS] += sum(c[CHECKS] for c in self.checks)
+        row[BAD] += sum(c[BAD] for c in self.checks)
+        gc.collect()
+        return problems
+
+
+def forker(i, strategy, clock, checks, fstats, seed, report, fork_threads="never",
+           feeder_method="spawn"):
+    """Fork events until the deadline (in the epoch's strategy); beside the helper threads
+    (``Helpers``, their feeder started by ``feeder_method``) as ``fork_threads`` says."""
     import sharedmp as mp
     mp.set_sharing_strategy(strategy)
     ctx = mp.get_context("fork")
+    helpers = None if fork_threads == "never" else \
+        Helpers(mp, mp.get_context(feeder_method), seed)
     deadline = _start_when_told(clock, i)
     notes, n = [], 0
-    while time.monotonic() < deadline:
-        try:
-            fork_event(mp, ctx, n, seed, fstats, checks[i, 0], notes)
-        except Exception as e:           # noqa: BLE001 -- a problem of the verdict
-            notes.append(f"forker: fork event {n}: {e!r}")
-            break
-        n += 1
+    try:
+        while time.monotonic() < deadline:
+            try:
+                fork_event(mp, ctx, n, seed, fstats, checks[i, 0], notes,
+                           helpers if threaded(n, fork_threads) else None)
+            except Exception as e:           # noqa: BLE001 -- a problem of the verdict
+                notes.append(f"forker: fork event {n}: {e!r}")
+                break
+            n += 1
+    finally:
+        if helpers is not None:
+            notes += helpers.stop(fstats, checks[i, 1])
     _report(report, notes)
 
 
@@ -622,7 +812,7 @@ class _Program:
         self.ends = mp.zeros((P, C), np.int64)
         self.clock = mp.zeros(2 + P + C, np.float64)   # [deadline, ready flag of each worker]
         self.checks = mp.zeros((P + C + 1, max(PRODUCER_THREADS, CONSUMER_THREADS), 2), np.int64)
-        self.fstats = mp.zeros(8, np.int64)
+        self.fstats = mp.zeros(F_COUNTERS, np.int64)
         links = [[ctx.Pipe(duplex=False) for _ in range(C)] for _ in range(P)]
         self.reports = [ctx.Pipe(duplex=False) for _ in range(P + C + 1)]
         self.procs = [ctx.Process(target=producer, name=f"producer-{p}",
@@ -638,7 +828,9 @@ class _Program:
         # The forker (never killed: index P + C, past those kill_some picks from).
         self.procs.append(ctx.Process(target=forker, name="forker",
                                       args=(P + C, cfg["strategy"], self.clock, self.checks,
-                                            self.fstats, cfg["seed"], self.reports[P + C][1])))
+                                            self.fstats, cfg["seed"], self.reports[P + C][1],
+                                            cfg.get("fork_threads", "never"),
+                                            cfg["start_method"])))
         for proc in self.procs:
             proc.start()
         for pair in [x for row in links for x in row] + self.reports:
@@ -746,7 +938,9 @@ def fork_figures(checks, fstats):
                 fork_events=f[F_EVENTS], fork_os_fork=f[F_OS_FORK], fork_process=f[F_PROCESS],
                 fork_child_checks=f[F_CHILD_CHECKS], fork_corrupted=f[F_CHILD_BAD],
                 fork_unreported=f[F_UNREPORTED], fork_child_failed=f[F_CHILD_FAILED],
-                fork_reused_while_held=f[F_REUSED])
+                fork_reused_while_held=f[F_REUSED], fork_threaded=f[F_THREADED],
+                fork_thread_arrays=f[F_THREAD_ARRAYS], fork_thread_checks=f[F_THREAD_CHECKS],
+                fork_thread_corrupted=f[F_THREAD_BAD])
 
 
 def _daemon_after_workers(strategy):
@@ -885,12 +1079,14 @@ def _totals(epochs):
             "lost_to_killed_consumers", "in_transit_at_kill", "truncated_frames",
             "killed_producers", "killed_consumers", "pattern_checks", "held_corrupted",
             "fork_events", "fork_os_fork", "fork_process", "fork_child_checks", "fork_corrupted",
-            "fork_unreported", "fork_child_failed", "fork_reused_while_held", "left")
+            "fork_unreported", "fork_child_failed", "fork_reused_while_held", "fork_threaded",
+            "fork_thread_arrays", "fork_thread_checks", "fork_thread_corrupted", "left")
     totals = {k: sum(v.get(k, 0) for v in epochs) for k in keys}
     totals["by_strategy"] = {s: {k: sum(v.get(k, 0) for v in epochs if v["strategy"] == s)
                                  for k in ("messages", "bytes", "killed_producers",
                                            "killed_consumers", "fork_events", "pattern_checks",
-                                           "corrupted", "fork_corrupted", "left")}
+                                           "corrupted", "fork_corrupted", "fork_threaded",
+                                           "fork_thread_corrupted", "left")}
                              for s in ("file_descriptor", "file_system")}
     totals["kills_survived"] = totals["killed_producers"] + totals["killed_consumers"]
     totals["leftovers"] = {k: sum(v.get("leftovers", {}).get(k, 0) for v in epochs)
@@ -902,8 +1098,11 @@ def _totals(epochs):
     return totals
 
 
-def stress(seconds=60.0, seed=None, log=print):
-    """Run for about ``seconds``; the report (a dict)."""
+def stress(seconds=60.0, seed=None, log=print, fork_threads="alternate"):
+    """Run for about ``seconds``; the report (a dict). ``fork_threads``: which fork events run
+    beside the forker's helper threads (FORK_THREADS)."""
+    if fork_threads not in FORK_THREADS:
+        raise ValueError(f"fork_threads={fork_threads!r}: not one of {FORK_THREADS}")
     seed = secrets.randbits(32) if seed is None else seed
     token = secrets.token_hex(8)
     shm_dir = tempfile.mkdtemp(prefix="sharedmp-stress-",
@@ -920,14 +1119,15 @@ def stress(seconds=60.0, seed=None, log=print):
     try:
         for i in range(n):
             cfg = dict(epoch=i, strategy=plan[i], start_method=methods[i], window=round(window, 2),
-                       seed=seed + i)
+                       seed=seed + i, fork_threads=fork_threads)
             v = run_epoch(cfg, token, shm_dir)
             v["problems"] = problems(v)
             epochs.append(v)
             log(f"epoch {i + 1}/{n} {v['strategy']:<15} {v['start_method']:<10} "
                 f"{v.get('messages', 0):>8} msgs {v.get('bytes', 0) / 2**20:>8.1f} MiB  kills "
                 f"{v.get('killed_producers', 0)}p+{v.get('killed_consumers', 0)}c  "
-                f"forks {v.get('fork_events', 0)}  checks {v.get('pattern_checks', 0)}  "
+                f"forks {v.get('fork_events', 0)} ({v.get('fork_threaded', 0)} beside threads)  "
+                f"checks {v.get('pattern_checks', 0)}  "
                 + ("ok" if not v["problems"] else "PROBLEMS: " + "; ".join(v["problems"])))
     finally:
         for k, val in saved.items():
@@ -943,7 +1143,7 @@ def stress(seconds=60.0, seed=None, log=print):
                 loadavg=os.getloadavg(),
                 config=dict(producers=PRODUCERS, producer_threads=PRODUCER_THREADS,
                             consumers=CONSUMERS, consumer_threads=CONSUMER_THREADS,
-                                                     epochs=n, window_s=round(window, 2)),
+                            epochs=n, window_s=round(window, 2), fork_threads=fork_threads),
                 totals=totals, epochs=epochs, problems=bad, ok=not bad)
 
 
@@ -966,6 +1166,12 @@ def format_summary(rep):
         f"ones; {t['fork_corrupted']} changed, {t['fork_unreported']} children never reported, "
         f"{t['fork_reused_while_held']} times the parent reused memory a child held"
         + "".join(f"; {s}: {b['fork_events']} forks, {b['fork_corrupted']} changed"
+                  for s, b in t["by_strategy"].items()),
+        f"  beside threads   {t['fork_threaded']} fork events ({rep['config']['fork_threads']}) "
+        f"while helper threads made, dropped and received {t['fork_thread_arrays']} arrays: "
+        f"children checked {t['fork_thread_checks']} of the threads' arrays they inherited, "
+        f"{t['fork_thread_corrupted']} changed"
+        + "".join(f"; {s}: {b['fork_threaded']} forks, {b['fork_thread_corrupted']} changed"
                   for s, b in t["by_strategy"].items()),
         f"  corrupted        {t['corrupted']}   (messages, arrays held: "
         f"{t['held_corrupted']}, in fork children: {t['fork_corrupted']})",
@@ -1002,6 +1208,10 @@ def add_parser(subparsers):
     p.add_argument("--seconds", type=float, default=60.0, help="how long to run (default 60)")
     p.add_argument("--seed", type=int, default=None,
                    help="random seed (default: a fresh one, printed)")
+    p.add_argument("--fork-threads", choices=FORK_THREADS, default="alternate",
+                   help="which fork events run beside helper threads that make, drop and "
+                        "receive arrays: every other pair (alternate, the default), all "
+                        "(always, a hunt for fork-with-threads races) or none (never)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON to FILE")
     return p
 
@@ -1010,7 +1220,8 @@ def run(args):
     if not sys.platform.startswith("linux"):
         print("stress runs on Linux only (it reads /proc)", file=sys.stderr)
         return 2
-    rep = stress(args.seconds, args.seed, log=lambda s: print(s, flush=True))
+    rep = stress(args.seconds, args.seed, log=lambda s: print(s, flush=True),
+                 fork_threads=args.fork_threads)
     print(format_summary(rep), flush=True)
     if args.json:
         with open(args.json, "w") as f:
