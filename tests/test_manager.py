@@ -588,3 +588,58 @@ def test_the_daemons_fds_do_not_grow_with_messages_in_flight(fs):
 def _put_many(q, n):
     for i in range(n):
         q.put(mp.full(10, i))
+
+
+STDLIB_QUEUE_PROGRAM = '''
+import multiprocessing, sys, time
+import numpy as np
+import sharedmp as mp
+
+def child(q):
+    q.put(np.full(1 << 17, 7.0))            # 1 MiB plain array: copied into a named segment
+
+if __name__ == "__main__":
+    mp.set_sharing_strategy("file_system")
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    p.join(30)
+    time.sleep(3)                           # the child's daemon had no client left 1.5 s ago
+    a = q.get(timeout=10)
+    print(float(a[0]), a.shape[0], mp.is_shared(a), flush=True)
+'''
+
+
+def test_a_message_on_a_stdlib_queue_outlives_its_senders_exit(tmp_path):
+    """Issue 46: a spawn child of the standard library's context puts an array on its Queue
+    and exits; the parent, which never needed a daemon, gets it 3 s later (it raised
+    SegmentError: the child's daemon had quit 1.5 s after the child, and the parent would
+    have started another). Nothing is left once the program has ended."""
+    from conftest import run_bounded
+    script, shm = tmp_path / "program.py", tmp_path / "shm"
+    script.write_text(STDLIB_QUEUE_PROGRAM)
+    shm.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SHAREDMP_MANAGER"}
+    env["SHAREDMP_SHM_DIR"] = str(shm)
+    code, out, err = run_bounded([sys.executable, str(script)], env=env, cwd=str(tmp_path))
+    assert code == 0, err[-3000:]
+    assert out.split() == ["7.0", str(1 << 17), "True"]
+    assert eventually(lambda: os.listdir(shm) == [], timeout=10), os.listdir(shm)
+
+
+def test_any_runtime_dir_works(tmp_path):
+    """Issue 46: a long $XDG_RUNTIME_DIR (or $TMPDIR) made every file_system allocation raise
+    `OSError: AF_UNIX path too long`: the daemon's socket goes under /tmp then."""
+    from conftest import run_bounded
+    long_dir = tmp_path / ("x" * 86)
+    long_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "SHAREDMP_MANAGER"}
+    env.update(XDG_RUNTIME_DIR=str(long_dir), TMPDIR=str(long_dir),
+               SHAREDMP_SHARING_STRATEGY="file_system", SHAREDMP_SHM_DIR=str(tmp_path))
+    code, out, err = run_bounded([sys.executable, "-c", (
+        "import sharedmp as mp; from sharedmp.memory import manager\n"
+        "a = mp.full(10, 3.0); print(manager.address(), a.sum())")], env=env)
+    assert code == 0, err[-3000:]
+    path, total = out.split()
+    assert path.startswith("/tmp/sharedmp-") and float(total) == 30.0

@@ -119,11 +119,18 @@ def export(name: str, value: str) -> None:
     os.environ[name] = value
 
 
+# The daemon's socket is <runtime dir>/sharedmp-XXXXXXXX/manager.sock, and a socket's path
+# has at most 107 bytes (AF_UNIX, Linux; 103 on macOS)
+_SOCKET_ROOM = 103 - len("/sharedmp-XXXXXXXX/manager.sock")
+
+
 def runtime_dir() -> str:
     """Where the manager daemon's private directory is made: $XDG_RUNTIME_DIR if it is
-    usable, else Python's temporary directory ($TMPDIR, else /tmp, ...)."""
+    usable, else Python's temporary directory ($TMPDIR, else /tmp, ...); either only if short
+    enough for the socket's path, else /tmp."""
     d = os.environ.get("XDG_RUNTIME_DIR")
-    if d and os.access(d, os.W_OK | os.X_OK):
+    if d and len(os.fsencode(d)) <= _SOCKET_ROOM and os.access(d, os.W_OK | os.X_OK):
         return d
     import tempfile                      # (deferred: most programs never need it)
-    return tempfile.gettempdir()
+    d = tempfile.gettempdir()
+    return d if len(os.fsencode(d)) <= _SOCKET_ROOM else "/tmp"

@@ -143,10 +143,13 @@ segment mapped at a fork is ever unused, parked-free or pooled while a child of 
 may still map it, and a fork costs one record each side, not one per segment.
 
 Lifetime. The daemon raises its soft ``RLIMIT_NOFILE`` to the hard limit as it starts. It
-waits ``STARTUP`` s for its first client. Once every client has gone it waits up to
-``LINGER`` s for a new one if references are still in flight (a receiver about to connect),
-then removes its socket first (a client that finds no socket starts a fresh daemon), unlinks
-whatever is left, removes its pool directories and exits.
+waits ``STARTUP`` s for its first client. Once every client has gone, if references are
+still in flight, it waits for a new client (a receiver about to connect) for ``LINGER`` s and
+for as long as a process group of its clients has a member: the parent that started them
+may be the receiver, a client only once it receives (a standard library channel's message
+names its daemon: ``reductions/segment.py``). Then it removes its socket first (a client
+that finds no socket starts a fresh daemon), unlinks whatever is left, removes its pool
+directories and exits.
 
 How it fails:
 - A client SIGKILLed mid-message: on a sharedmp channel the kernel closes its copy of the
@@ -179,6 +182,7 @@ import time
 
 NAME_RE = re.compile(r"sharedmp_[0-9a-f]{20}\Z")
 LINGER = 1.5           # seconds to wait for a receiver of in-flight messages once all clients left
+GROUP_POLL = 0.5       # (lingering) seconds between looks at the program's process groups
 STARTUP = 2.0          # seconds to wait for the first client
 PASS_DELAY = 0.002     # sleep between passes: clients' records batch up instead of waking us each
 MAX_LINE = 1 << 20     # a T record names every segment of a message
@@ -259,6 +263,7 @@ class Daemon:
         self.passes = 0            # passes made (``one_pass``)
         self.waiters = []          # [(client, pass count to answer at)] (``W``)
         self.seen_client = False
+        self.groups = set()        # process groups of the clients (``_linger``)
         self.started = time.monotonic()
         limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.fd_budget = max(0, limit // 4 - 16)   # fds of segments in flight (see ``S``)
@@ -550,7 +555,8 @@ class Daemon:
             return
         self.full_once = False
         sock.setblocking(False)
-        if peer_uid(sock) not in (None, self.uid):
+        pid, uid = peer_cred(sock)
+        if uid not in (None, self.uid):
             try:
                 sock.sendall(b"NO this manager serves only the user that started it\n")
             except OSError:
@@ -563,6 +569,10 @@ class Daemon:
             sock.close()
             return
         self.clients[sock.fileno()] = Client(sock)
+        try:
+            self.groups.add(os.getpgid(pid))
+        except (TypeError, OSError):
+            pass
         self.sel.register(sock, selectors.EVENT_READ)
         self.seen_client = True
 
@@ -725,12 +735,14 @@ class Daemon:
         return bool(self.sel.select(0))
 
     def _linger(self):
-        """No client left: wait a moment for a receiver if messages are in flight. True: one
-        came."""
+        """No client left: wait for a receiver if messages are in flight, while a process of
+        the program may still take them (one of the clients' process groups has a member,
+        say the parent that started them: it may receive a message of theirs and become a
+        client), and ``LINGER`` s at least. True: one came."""
         if any(s.inflight > 0 for s in self.segments.values()):
             deadline = time.monotonic() + LINGER
-            while time.monotonic() < deadline:
-                for key, _ in self.sel.select(deadline - time.monotonic()):
+            while time.monotonic() < deadline or any(map(_group_alive, self.groups)):
+                for key, _ in self.sel.select(max(deadline - time.monotonic(), GROUP_POLL)):
                     if type(key.data) is Token:
                         self.end_token(key.data)
                     elif key.fileobj is self.listener:
@@ -771,12 +783,23 @@ def _spare():
         return -1
 
 
-def peer_uid(sock):
-    """The uid of the peer process (SO_PEERCRED), or None where the platform has no such call."""
+def peer_cred(sock):
+    """(pid, uid) of the peer process (SO_PEERCRED), or (None, None) where the platform has
+    no such call."""
     if not hasattr(socket, "SO_PEERCRED"):
-        return None                                  # macOS: the 0700 directory is the guard
+        return None, None                            # macOS: the 0700 directory is the guard
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return struct.unpack("3i", creds)[:2]
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:                                  # (EPERM: a member of another user)
+        pass
+    return True
 
 
 def main(argv):

@@ -22,10 +22,18 @@ def reduce_segment(seg):
             oob.names.append(seg.path)
             return rebuild_name_in_band, (seg.name,)
         manager.sent(seg.path)
-        return segment.attach_name, (seg.name,)
+        return rebuild_name, (seg.name, manager.address())
     if oob is not None:
         return rebuild_fd_in_band, (oob.add(seg.fd),)
     return rebuild_fd_dup, (DupFd(seg.fd),)
+
+
+def rebuild_name(name, daemon):
+    # (a standard library channel) The receiver may not have talked to a daemon yet (a child
+    # sent it to a parent that never needed one): it uses the sender's, which counts the
+    # reference in flight.
+    manager.adopt(daemon)
+    return segment.attach_name(name)
 
 
 def rebuild_name_in_band(name):
