@@ -294,3 +294,49 @@ def test_doctor_shows_what_each_process_holds_and_how_much_is_cache():
         p.wait(TIMEOUT)
         p.stdin.close()
         p.stdout.close()
+
+
+_KILLED = """
+import sys
+import sharedmp as mp
+from sharedmp.memory import manager
+kept = [mp.zeros(1 << 18) for _ in range(3)]
+manager.sync()
+print(manager.daemon_pid(), flush=True)
+sys.stdin.read()
+"""
+
+
+@linux_only
+def test_what_a_killed_daemon_left_is_shown_and_cleaned(tmp_path):
+    """A daemon SIGKILLed with its program: its ledger in the shm directory names what it
+    left (daemon.py, "Ledgers"); doctor shows it, --clean removes it all."""
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    shm.mkdir()
+    run.mkdir()
+    env = {SHM_DIR_ENV: str(shm), STRATEGY_ENV: "file_system", "SHAREDMP_MANAGER": None,
+           "TMPDIR": str(run), "XDG_RUNTIME_DIR": str(run)}
+    full_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    p = subprocess.Popen([sys.executable, "-c", _KILLED], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=full_env)
+    try:
+        os.kill(int(p.stdout.readline()), 9)
+    finally:
+        p.kill()
+        p.wait(TIMEOUT)
+        p.stdin.close()
+        p.stdout.close()
+    left = [n for n in os.listdir(shm) if n.startswith(PREFIX)]
+    assert len(left) >= 3 and os.listdir(run)
+    code, report = run_json(env=env)
+    (managers,) = checks_named(report, "managers")
+    assert managers["status"] == "warn" and "1 ledger(s)" in managers["detail"], managers
+    assert any(".sharedmp-ledger-" in item and "segment(s) it names still there" in item
+               for item in managers["items"]), managers
+    listed = "\n".join(checks_named(report, "leftovers")[0]["items"])
+    assert all(n in listed for n in left), (left, listed)
+    code, report = run_json("--clean", env=env)
+    assert code == 0
+    # (the daemon doctor started for its round trip, and removes at its exit, included)
+    assert eventually(lambda: not os.listdir(shm) and not os.listdir(run), TIMEOUT), \
+        (os.listdir(shm), os.listdir(run))

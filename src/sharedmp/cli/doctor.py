@@ -329,23 +329,32 @@ def check_leftovers(directory, do_clean):
     return checks, removed
 
 
-def check_managers(do_clean):
-    """file_system manager daemons of this user: live ones, and the sockets of killed ones."""
+def check_managers(do_clean, directory=None):
+    """file_system manager daemons of this user: live ones, and what killed ones left: their
+    sockets in the runtime directory, their ledgers in the shm ``directory``."""
     from ..memory import manager
     daemons = manager.find_daemons()
     stale = [p for p, alive in daemons if not alive]
     live = len(daemons) - len(stale)
-    if stale and do_clean:
+    dead = leftovers.dead_ledgers(directory) if directory else []
+    if (stale or dead) and do_clean:
         for p in stale:
             manager.remove_stale(p)
+        kept = set(leftovers.sweep(directory)) if dead else set()
         return Check("managers", OK,
-                     f"{live} live; removed {len(stale)} stale socket(s) of killed daemons",
-                     items=[f"removed {os.path.dirname(p)}" for p in stale])
-    if stale:
+                     f"{live} live; removed {len(stale)} stale socket(s) and "
+                     f"{len(dead) - len(kept)} ledger(s) of killed daemons",
+                     items=[f"removed {os.path.dirname(p)}" for p in stale]
+                     + [f"removed {p}" for p, _ in dead if p not in kept]
+                     + [f"kept {p}: {n} segment(s) it names still in use"
+                        for p, n in dead if p in kept])
+    if stale or dead:
         return Check("managers", WARN,
-                     f"{live} live; {len(stale)} stale socket(s) of killed daemons",
+                     f"{live} live; {len(stale)} stale socket(s) and {len(dead)} ledger(s) "
+                     "of killed daemons",
                      "python -m sharedmp doctor --clean",
-                     items=[os.path.dirname(p) for p in stale])
+                     items=[os.path.dirname(p) for p in stale]
+                     + [f"{p}: {n} segment(s) it names still there" for p, n in dead])
     return Check("managers", OK, f"{live} live file_system manager daemon(s) of this user")
 
 
@@ -488,7 +497,7 @@ def run_checks(do_clean=False):
     else:
         removed = []
     if "file_system" in strategies:
-        checks.append(check_managers(do_clean))
+        checks.append(check_managers(do_clean, directory if os.path.isdir(directory) else None))
     if os.path.isdir("/proc/self/fd"):
         checks.append(check_processes())
     for s in sorted(strategies):

@@ -2,8 +2,9 @@
 lets go. This docstring is the one description of its protocol (the README,
 ``docs/reference.md`` and ``manager.py``, the client, point here).
 
-Run as a script by ``manager.py`` (``python -I -S daemon.py SOCKET_PATH LISTEN_FD``) in its own
-session, so that Ctrl-C or a killed process group does not take it down with its clients.
+Run as a script by ``manager.py`` (``python -I -S daemon.py SOCKET_PATH LISTEN_FD SHM_DIR``)
+in its own session, so that Ctrl-C or a killed process group does not take it down with its
+clients.
 It uses the standard library only, to start in milliseconds.
 
 Where. The first process of a program that needs a daemon makes a private directory
@@ -88,6 +89,12 @@ parentheses.
        holds any more is unlinked (or pooled) by then. Asked on a connection of its own,
        after the client's own records are in the kernel: any read that finds the ``W`` finds
        them too (they were written first), whichever client it reads first.
+    E  <anything>  end (``manager._close``, at the exit of a program that is pid 1 of its PID
+       namespace and started this daemon: the kernel kills every process of the namespace,
+       the daemon too, once it exits). Every client is read once more (what was written
+       before the ``E`` is read then), the daemon ends as at a clean exit (below: its socket,
+       every segment it knows, its pool directories and ledgers), answers ``DONE\n`` and
+       exits.
     ?  <anything>  answer one line ``STATS <clients> <segments> <in flight> <tokens>
        <pooled>`` (``manager.stats``, ``doctor``; the asking connection is one of the
        clients; tokens: the open ones, and the ids clients may still use; pooled: names held
@@ -151,17 +158,36 @@ names its daemon: ``reductions/segment.py``). Then it removes its socket first (
 that finds no socket starts a fresh daemon), unlinks whatever is left, removes its pool
 directories and exits.
 
+Ledgers. What a daemon killed (SIGKILL, the OOM killer, the end of its container's PID
+namespace) leaves must be found by the next one even where pids repeat (a new container's
+daemon may have the dead one's pid) and where the runtime directory is gone (a container's
+/tmp) while the segments' directory is not (an emptyDir of medium Memory, ``--ipc=host``).
+So in each directory it tracks segments in (the client's shm directory, ``SHM_DIR``, from
+the start) the daemon keeps a ledger, ``.sharedmp-ledger-<16 random hex digits>`` (0600),
+locked (``flock``) from before it has that name for as long as the daemon lives: the kernel
+lets go of the lock whatever ends the daemon. It names the daemon's socket and pool
+directory, then the segments it has tracked there, one name a line, those new in a pass
+appended in one write at its end (rewritten under a new inode, locked first, once it has
+grown past twice the segments tracked). A clean exit removes it. A ledger of this user that
+nobody has locked is a dead daemon's: a daemon sweeps the directory as it starts (and each
+directory it meets later, once): for each dead ledger, the segments it names (and the pooled
+ones) that no process maps or holds open (``/proc``, as ``doctor --clean``: a daemon killed
+alone leaves its clients' segments to them) are unlinked, and once none is left, the ledger,
+the dead daemon's socket and its directory, and its pool directory. ``doctor`` lists dead
+ledgers, ``doctor --clean`` sweeps. A segment made in the last pass before the daemon died
+may be in no ledger: ``doctor --clean`` finds it (no process uses it).
+
 How it fails:
 - A client SIGKILLed mid-message: on a sharedmp channel the kernel closes its copy of the
   token; the message never left, so the token ends (or ends with the messages sent).
   On other channels its ``S`` stays in flight until the daemon exits (every client
   gone); a message never received likewise.
 - The daemon SIGKILLed: clients see the connection end and raise ``ManagerError`` on
-  their next file_system allocation, send or attach; the segments stay until
-  ``python -m sharedmp doctor --clean`` removes those no live process maps or holds open
-  (and empties the killed daemon's pool directory). While it lives, the daemon holds an fd
-  of each segment with references in flight (within a quarter of its fd limit), so doctor
-  does not remove one that a message still carries.
+  their next file_system allocation, send or attach; the segments stay until the next
+  daemon that starts with the same shm directory, or ``python -m sharedmp doctor --clean``,
+  removes those no live process maps or holds open (see Ledgers). While it lives, the
+  daemon holds an fd of each segment with references in flight (within a quarter of its fd
+  limit), so doctor does not remove one that a message still carries.
 - Out of fds (EMFILE, ENFILE): a client it still cannot take after one more pass (which
   drops the clients that have gone) it answers ``FULL <why>`` on a spare fd kept for that
   (the client raises ``ManagerError`` naming the limit and ``ulimit -n``), and serves the
@@ -170,6 +196,7 @@ How it fails:
 import array
 import collections
 import errno
+import fcntl
 import os
 import re
 import resource
@@ -188,6 +215,10 @@ PASS_DELAY = 0.002     # sleep between passes: clients' records batch up instead
 MAX_LINE = 1 << 20     # a T record names every segment of a message
 MAX_FDS = 253
 POOL_DIR = ".sharedmp-pool-%d"   # (manager.py keeps a copy: the pool directory, by daemon pid)
+POOL_RE = re.compile(r"\.sharedmp-pool-\d+\Z")
+LEDGER = ".sharedmp-ledger-%s"   # (see Ledgers)
+LEDGER_RE = re.compile(r"\.sharedmp-ledger-[0-9a-f]{16}\Z")
+COMPACT = 4096         # lines a ledger may have past twice the segments tracked, before a rewrite
 _CMSG = socket.CMSG_SPACE(MAX_FDS * 4)
 
 
@@ -240,8 +271,65 @@ class Token:
         self.client, self.ident = client, ident
         self.ino = None                  # its pipe's inode (what receivers name in ``H``)
 
+
+class Ledger:
+    """This daemon's ledger in one directory (see Ledgers): locked while the daemon lives."""
+
+    def __init__(self, directory, header):
+        self.path = os.path.join(directory, LEDGER % os.urandom(8).hex())
+        self.header = header
+        self.fd = _locked(self.path, header)
+        self.lines = 0
+        self.buf = b""                   # written when the directory has room again
+
+    def add(self, names):
+        """Name these segments (one write)."""
+        self.buf += "".join(n + "\n" for n in names).encode()
+        self.lines += len(names)
+        try:
+            while self.buf:
+                self.buf = self.buf[os.write(self.fd, self.buf):]
+        except OSError:
+            pass
+
+    def rewrite(self, names):
+        """Name only these: a new file, locked, then renamed over this one."""
+        try:
+            fd = _locked(self.path, self.header + "".join(n + "\n" for n in names).encode())
+        except OSError:
+            return
+        os.close(self.fd)
+        self.fd, self.lines, self.buf = fd, len(names), b""
+
+    def remove(self):
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+
+
+def _locked(path, data):
+    """An fd of a new file ``path`` holding ``data``, locked before it has that name."""
+    tmp = path + "~"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        while data:
+            data = data[os.write(fd, data):]
+        os.rename(tmp, path)
+        return fd
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 class Daemon:
-    def __init__(self, listener, path):
+    def __init__(self, listener, path, shm_dir=None):
         self.listener = listener
         self.path = path
         self.uid = os.getuid()
@@ -270,12 +358,19 @@ class Daemon:
         self.held_fds = 0
         self.spare = _spare()      # closed to answer a client when out of fds (``accept``)
         self.full_once = False     # accept found no fd once: refuse if so after the next pass
+        self.ledgers = {}          # directory -> its Ledger (None: none could be made there)
+        self.unrecorded = []       # paths of segments new in this pass (``_record``)
+        self.to_sweep = []         # directories whose dead ledgers are swept after this pass
+        self.ending = []           # clients that asked for the end (``E``)
+        if shm_dir and os.path.isabs(shm_dir):
+            self._ledger(shm_dir)
 
     # -- records ---------------------------------------------------------------------
     def _segment(self, path, create):
         seg = self.segments.get(path)
         if seg is None and create:
             seg = self.segments[path] = Segment()
+            self.unrecorded.append(path)
         return seg
 
     def apply(self, client, op, path):
@@ -344,6 +439,7 @@ class Daemon:
         target = self.segments.get(nxt)
         if target is None:
             target = self.segments[nxt] = Segment()
+            self.unrecorded.append(nxt)
             target.alias = os.path.join(os.path.dirname(nxt), POOL_DIR % os.getpid(),
                                         os.path.basename(nxt))
             target.holders.add(client)
@@ -662,6 +758,9 @@ class Daemon:
                     # rule of two passes)
                     self.waiters.append((client, self.passes + 2))
                     continue
+                if op == b"E":
+                    self.ending.append(client)           # (at the end of this pass)
+                    continue
                 self.apply(client, op, os.fsdecode(path))
 
     def read_all(self):
@@ -697,9 +796,18 @@ class Daemon:
         for path in free & self.free:
             self._move(path)
         self.candidates, self.free = unused - self.candidates, free - self.free
+        if self.unrecorded:
+            self._record()
         self.passes += 1
         if self.waiters:
             self._answer_waiters()
+        while self.to_sweep:
+            try:
+                sweep(self.to_sweep.pop())
+            except OSError:
+                pass                             # (what could not be read stays: doctor)
+        if self.ending:
+            self._end_all()
 
     def _answer_waiters(self):
         """``W``: answer those whose records have been acted on."""
@@ -769,6 +877,172 @@ class Daemon:
                 os.rmdir(d)
             except OSError:
                 pass
+        for ledger in self.ledgers.values():
+            if ledger is not None:
+                ledger.remove()
+        self.ledgers = {}
+
+    # -- ledgers (see Ledgers) ------------------------------------------------------------
+    def _ledger(self, directory):
+        """This daemon's ledger in ``directory``, made (and the directory swept) if new."""
+        ledger = self.ledgers.get(directory, False)
+        if ledger is False:
+            header = "socket %s\npool %s\n" % (self.path, POOL_DIR % os.getpid())
+            try:
+                ledger = Ledger(directory, os.fsencode(header))
+            except OSError:
+                ledger = None                    # (not writable: nothing recorded there)
+            self.ledgers[directory] = ledger
+            self.to_sweep.append(directory)
+        return ledger
+
+    def _record(self):
+        """Name the segments new in this pass in their directories' ledgers: a write each."""
+        by_dir = {}
+        for path in self.unrecorded:
+            directory, name = os.path.split(path)
+            by_dir.setdefault(directory, []).append(name)
+        self.unrecorded = []
+        for directory, names in by_dir.items():
+            ledger = self._ledger(directory)
+            if ledger is None:
+                continue
+            ledger.add(names)
+            if ledger.lines > 2 * len(self.segments) + COMPACT:
+                ledger.rewrite([os.path.basename(p) for p in self.segments
+                                if os.path.dirname(p) == directory])
+
+    def _end_all(self):
+        """``E``: end now, as at a clean exit; answer ``DONE``."""
+        self.read_all()                          # (what was written before the ``E``)
+        self.shutdown()
+        for client in self.ending:
+            try:
+                client.sock.sendall(b"DONE\n")
+            except OSError:
+                pass
+        raise Ended()
+
+
+class Ended(Exception):
+    """The daemon ended at a client's ``E``."""
+
+
+def ledgers(directory):
+    """[(path, alive, socket path, pool directory name, names of segments still there)] of
+    the ledgers of this user in ``directory`` (see Ledgers). A dead one's lock is taken and
+    let go here: a ledger nobody could lock is a live daemon's."""
+    out = []
+    try:
+        present = set(os.listdir(directory))
+    except OSError:
+        return out
+    for name in sorted(n for n in present if LEDGER_RE.match(n)):
+        path = os.path.join(directory, name)
+        entry = _read_ledger(path)
+        if entry is None:
+            continue
+        alive, lines = entry
+        head = dict(line.split(" ", 1) for line in lines if line.startswith(("socket ", "pool ")))
+        pool = head.get("pool") if POOL_RE.match(head.get("pool", "")) else None
+        if pool:
+            try:
+                present.update(os.listdir(os.path.join(directory, pool)))
+            except OSError:
+                pass
+        names = {n for n in lines if NAME_RE.match(n) and n in present}
+        out.append((path, alive, head.get("socket"), pool, names))
+    return out
+
+
+def _read_ledger(path):
+    """(alive, lines) of the ledger ``path``, or None if it is not one of this user's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alive = False
+        except OSError:
+            alive = True
+        if not alive and os.stat(path).st_ino != st.st_ino:
+            return None                          # (rewritten under a new inode meanwhile)
+        with open(fd, "rb", closefd=False) as f:
+            return alive, f.read().decode(errors="replace").split("\n")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def sweep(directory):
+    """Remove what the dead daemons of this user left in ``directory`` (see Ledgers): the
+    segments their ledgers name that no process maps or holds open; then, once none is
+    left, the ledger, the socket and its directory, the pool directory. The paths of the
+    dead ledgers kept (some of their segments are in use)."""
+    dead = [entry for entry in ledgers(directory) if not entry[1]]
+    busy = _in_use({n for entry in dead for n in entry[4]}) if dead else set()
+    kept = []
+    for path, _, sock, pool, names in dead:
+        for name in names - busy:
+            for d in (directory, os.path.join(directory, pool)) if pool else (directory,):
+                try:
+                    os.unlink(os.path.join(d, name))
+                except OSError:
+                    pass
+        if names & busy:
+            kept.append(path)
+            continue
+        if pool:
+            try:
+                os.rmdir(os.path.join(directory, pool))
+            except OSError:
+                pass                             # (not empty: a live daemon of that pid)
+        _remove_socket(sock)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return kept
+
+
+def _remove_socket(path):
+    """Remove a dead daemon's socket and its directory (made by ``manager._start``)."""
+    if not path or os.path.basename(path) != "manager.sock" \
+            or not os.path.basename(os.path.dirname(path)).startswith("sharedmp-"):
+        return
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+        os.rmdir(os.path.dirname(path))
+    except OSError:
+        pass
+
+
+def _in_use(names):
+    """Which of ``names`` (segment names) some process maps or holds open, as /proc shows
+    (this PID namespace's processes); all of them without /proc."""
+    if not names or not os.path.isdir("/proc/self/fd"):
+        return set(names)
+    seen = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/maps" % pid, "rb") as f:
+                targets = [line.split(None, 5)[-1] for line in f if b"/sharedmp_" in line]
+            fd_dir = "/proc/%s/fd" % pid
+            targets += [os.fsencode(os.readlink(os.path.join(fd_dir, fd)))
+                        for fd in os.listdir(fd_dir)]
+        except OSError:
+            continue                             # (gone, or not ours to read)
+        seen.update(os.fsdecode(t.rsplit(b"/", 1)[-1].split()[0]) for t in targets if b"/" in t)
+    return names & seen
 
 
 def _ours(path):
@@ -804,6 +1078,7 @@ def _group_alive(pgid):
 
 def main(argv):
     path, fd = argv[1], int(argv[2])
+    shm_dir = argv[3] if len(argv) > 3 else None
     # The process the client started exits here; the daemon goes on in its child. The client
     # has no child left to wait for, and the daemon, no longer the session's leader, never
     # gets a controlling terminal (nor its Ctrl-C).
@@ -819,8 +1094,8 @@ def main(argv):
     except (ValueError, OSError):
         pass
     try:
-        Daemon(listener, path).run()
-    except KeyboardInterrupt:
+        Daemon(listener, path, shm_dir).run()
+    except (KeyboardInterrupt, Ended):
         pass
     return 0
 

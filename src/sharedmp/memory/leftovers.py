@@ -12,6 +12,11 @@ pool directories (``.sharedmp-pool-<daemon pid>``, ``recycle.py``) of the direct
 the manager daemon keeps the segments its clients made for reuse; a pool directory left
 empty by a daemon that is gone is removed with its last leftover.
 
+A segment that a live daemon's ledger names (``daemon.py``, "Ledgers") is in use too,
+whether or not a process this one can see maps it (a program in another PID namespace, a
+container sharing /dev/shm). A dead daemon's ledger (``dead_ledgers``) is swept by the next
+daemon that starts there, or by ``sweep`` (``doctor --clean``).
+
 Without /proc nothing can be called a leftover: nothing is ever removed then.
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Generic, TypeVar
 # (host.py reads /proc; its readers are named here too, for the tools)
 from ..host import (ProcStat, fd_targets, have_proc, maps_lines, owner,  # noqa: F401
                     pid_exists, pids, proc_stat)
+from . import daemon
 from .segment import NAME_RE, PREFIX
 
 POOL_RE = re.compile(r"\.sharedmp-pool-(\d+)\Z")   # manager.POOL_DIR's names
@@ -226,6 +232,7 @@ def survey(directory: str, min_age: float = 0.0, strict: bool = False) -> Survey
     used, blind = scan_proc(found)
     if used is None:
         return Survey(directory, [], sorted(p for p, _ in found.values()), [], False)
+    used |= {n for _, alive, _, _, names in daemon.ledgers(directory) if alive for n in names}
     now = time.time()
     leftovers, busy = [], []
     for name, (path, st) in sorted(found.items()):
@@ -269,3 +276,18 @@ def remove(entries: Iterable[Leftover]) -> list[Leftover]:
 def clean(directory: str, min_age: float = 0.0, strict: bool = False) -> list[str]:
     """Remove the leftovers of ``directory`` (see ``find_leftovers``); the paths removed."""
     return [path for path, _, _ in remove(find_leftovers(directory, min_age, strict))]
+
+
+# ---------------------------------------------------------------------------- ledgers
+
+def dead_ledgers(directory: str) -> list[tuple[str, int]]:
+    """[(path, how many of the segments it names are still there)] of the ledgers that this
+    user's daemons that are gone (killed) left in ``directory`` (``daemon.py``, "Ledgers")."""
+    return [(path, len(names)) for path, alive, _, _, names in daemon.ledgers(directory)
+            if not alive]
+
+
+def sweep(directory: str) -> list[str]:
+    """Remove what dead daemons left in ``directory`` (see ``daemon.sweep``): the paths of
+    the dead ledgers kept, some of whose segments are still in use."""
+    return daemon.sweep(directory)

@@ -99,6 +99,7 @@ def _hello(path):
 
 def _start():
     """Start a daemon of our own; the (connection, pid, path)."""
+    global _started_by
     import subprocess
     import tempfile
     directory = tempfile.mkdtemp(prefix="sharedmp-", dir=settings.runtime_dir())     # mode 0700
@@ -111,7 +112,8 @@ def _start():
         # process started here forks the daemon and exits (daemon.py): the daemon is not our
         # child, so no Popen is left to wait for (or to warn, ResourceWarning, at our exit).
         starter = subprocess.Popen(
-            [sys.executable, "-I", "-S", _SCRIPT, path, str(listener.fileno())],
+            [sys.executable, "-I", "-S", _SCRIPT, path, str(listener.fileno()),
+             os.path.abspath(settings.get(settings.SHM_DIR))],
             pass_fds=(listener.fileno(),), start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     except BaseException:
@@ -131,7 +133,11 @@ def _start():
         except subprocess.TimeoutExpired:
             starter.kill()
             starter.wait()
+    _started_by = os.getpid()
     return s, pid, path
+
+
+_started_by = 0                          # the pid that started the daemon we talk to, if ours
 
 
 def _connect():
@@ -186,11 +192,22 @@ def _close():
             _send_pending()
         except OSError:
             pass
+        if os.getpid() == 1 and _started_by == 1:
+            _end_namespace()
         _hang_up("this process is exiting (multiprocessing's exit handlers have run): its "
                  "connection to the sharedmp manager daemon is closed, so no named segment can "
                  "be made now; make it before, or use the 'file_descriptor' strategy")
     finally:
         _lock.release()
+
+
+def _end_namespace():
+    """(pid 1 of a PID namespace, exiting: the kernel kills the namespace's every process
+    then, its daemon too) Have the daemon unlink everything now and wait for it (``E``)."""
+    try:
+        _ask(_daemon[1], b"E -\n", "the end")  # type: ignore[index]
+    except (ManagerError, OSError):
+        pass
 
 
 def ensure() -> None:
