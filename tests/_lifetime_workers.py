@@ -398,8 +398,18 @@ class Helpers:
         for kept in self.kept:
             del kept[:]
         if self.feeder is not None:
+            # The feeder may be blocked in put() until the window of what is in flight to
+            # us drains (channels/flow.py, whatever put's timeout): receive until it ends.
             self.feeder_stop.set()
-            self.feeder.join(WAIT)
+            end = time.monotonic() + WAIT
+            while self.feeder.is_alive() and time.monotonic() < end:
+                try:
+                    self.queue.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+                except (OSError, EOFError):
+                    break
+            self.feeder.join(5)
             if self.feeder.is_alive():
                 problems.append(f"the feeder (pid {self.feeder.pid}) did not stop (killed)")
                 os.kill(self.feeder.pid, signal.SIGKILL)

@@ -208,7 +208,9 @@ class Lifetime(RuleBasedStateMachine):
             return
         bad = [(i, v) for i, v in pairs if v is not True]
         FIGURES["arrays_checked"] += len(pairs)
-        FIGURES["thread_arrays_checked"] += sum(i >= THREAD_IDS for i, _ in pairs)
+        theirs = sum(i >= THREAD_IDS for i, _ in pairs)
+        if theirs:
+            FIGURES["thread_arrays_checked"] += theirs
         if bad:
             FIGURES["violations"] += 1
             how = self.methods.get(where, "parent" if where == "parent" else "fork")

@@ -50,13 +50,14 @@ Forks beside threads (``--fork-threads``: every other pair of fork events by def
 a segment of its own, 8 KiB: carved; the last ``THREAD_KEEP`` kept) and one that receives
 them from a feeder process (started with the epoch's start method), and they run through
 those events, from before the forks until the children have reported. Such an event forks
-``THREADED_CHILDREN`` children in a row (``os.fork`` and Processes in turn; ``fork_events``
-counts children): each keeps the threads' arrays as they were at its fork, checks them with
-the rest, and a change is counted as corrupted too (``fork_thread_corrupted`` of
-``fork_thread_checks``). (Such children found the fork hook's race with a thread that
-allocates: a segment made, mapped or taken from the pool between the hook's list of what the
-child inherits and the fork was not held for it, and the parent recycled it.) The
-threads check each array they drop (``pattern_checks``).
+``THREADED_CHILDREN`` children, one at a time (``os.fork`` and Processes in turn;
+``fork_events`` counts children; the first also keeps the event's arrays, the others wait
+until the threads have dropped and made anew twice what they hold): each keeps the threads'
+arrays as they were at its fork, checks them with the rest, and a change is counted as
+corrupted too (``fork_thread_corrupted`` of ``fork_thread_checks``). (Such children found
+the fork hook's race with a thread that allocates: a segment made, mapped or taken from the
+pool between the hook's list of what the child inherits and the fork was not held for it,
+and the parent recycled it.) The threads check each array they drop (``pattern_checks``).
 
 Leftovers, after each epoch's program has ended: ``sharedmp_*`` files in the run's private
 shared-memory directory, fds of this process on segments, live processes of the run
@@ -440,6 +441,12 @@ def _count_checks(arrays):
     return len(arrays), sum(not holds_pattern(a, spec) for a, spec in arrays)
 
 
+def holds_word(a, spec):
+    """``holds_pattern`` of a 1-d ``<u8`` array (the helper threads'), without a copy: every
+    word is the pattern id. (Quick: the threads spend their time making and dropping.)"""
+    return a.dtype == spec[1] and a.shape == spec[2] and bool((a == np.uint64(spec[0])).all())
+
+
 def fork_child(arrays, go_fd, out_fd, parents_fds, thread_lists=()):
     """In a fork child: check the inherited arrays, wait until told (the parent has dropped
     them and made new ones meanwhile), check them again, and the helper threads'
@@ -451,11 +458,15 @@ def fork_child(arrays, go_fd, out_fd, parents_fds, thread_lists=()):
     theirs = [x for kept in thread_lists for x in list(kept)]
     n1, bad1 = _count_checks(arrays)
     told = bool(select.select([go_fd], [], [], FORK_TIMEOUT)[0])
-    n2, bad2 = _count_checks(arrays + theirs)
-    tn, tbad = _count_checks(theirs)
+    n2, bad2 = _count_checks(arrays)
+    changed = [(a, spec) for a, spec in theirs if not holds_word(a, spec)]
+    tn, tbad = len(theirs), len(changed)
+    n2, bad2 = n2 + tn, bad2 + tbad
     wrong = [f"{spec[0]:#x} {a.nbytes} B: first word {int(a[0]):#x}"
-             + (" (a helper thread's)" if k >= len(arrays) else "")
-             for k, (a, spec) in enumerate(arrays + theirs) if not holds_pattern(a, spec)][:3]
+             for a, spec in arrays if not holds_pattern(a, spec)][:3]
+    wrong += [f"{spec[0]:#x} {a.nbytes} B (a helper thread's): first word {int(a[0]):#x}"
+              for a, spec in changed][:3]
+    del changed
     del arrays[:], theirs[:]
     gc.collect()
     os.write(out_fd, json.dumps(dict(checks=n1 + n2, bad=bad1 + bad2, told=told, wrong=wrong,
@@ -556,50 +567,65 @@ def _fork_event(mp, ctx, n, seed, fstats, mine, notes, helpers):
     held = _regions(arrays)
     _tally(mine, arrays)                            # its last look before it drops them
     lists = helpers.kept if helpers is not None else ()
-    kids = []                                       # [pid, Process or None, go_w, out_r, how]
-    try:
-        for c in range(THREADED_CHILDREN if helpers is not None else 1):
-            go_r, go_w = os.pipe()
-            out_r, out_w = os.pipe()
-            ours = [fd for kid in kids for fd in kid[2:4]] + [go_w, out_r]
-            pid, proc = _start_fork_child(ctx, n + c, arrays, go_r, out_w, ours, lists)
-            os.close(go_r)
-            os.close(out_w)
-            how = ("Process" if proc is not None else "os.fork") + \
-                (f" beside threads, child {c + 1}" if helpers is not None else "")
-            kids.append([pid, proc, go_w, out_r, how])
-            fstats[F_EVENTS] += 1
-            fstats[F_PROCESS if proc is not None else F_OS_FORK] += 1
-            fstats[F_THREADED] += helpers is not None
-        # At once: the children's copies are their own. (Emptied, not just unnamed: the
-        # Process objects hold this list as their argument too.)
+
+    def reuse():
+        # At once: the child's copies are its own. (Emptied, not just unnamed: the Process
+        # object holds this list as its argument too.)
         arrays.clear()
         gc.collect()
-        fresh = _reuse_while_held(mp, seed, n, held, fstats, mine)
-        for kid in kids:
-            os.write(kid[2], b"g")
-        reports = [_read_report(kid[3], FORK_TIMEOUT) for kid in kids]
-        _tally(mine, fresh)
-        del fresh
+        return _reuse_while_held(mp, seed, n, held, fstats, mine)
+
+    fresh = _fork_child_checked(ctx, n, 0, arrays, lists, reuse, fstats, notes)
+    _tally(mine, fresh or [])
+    del fresh
+    if helpers is None:
+        return
+    # More children beside the threads, one at a time: each inherits the threads' arrays
+    # only, and checks them once the threads have dropped as many and made as many anew.
+    # (One at a time: a segment that a child inherited without its hold is held by the
+    # children forked after it, while they live: not recycled under it meanwhile.)
+    for c in range(1, THREADED_CHILDREN):
+        _fork_child_checked(ctx, n, c, [], lists,
+                            lambda: helpers.warm(2 * THREAD_KEEP * len(lists)), fstats, notes)
+
+
+def _fork_child_checked(ctx, n, c, arrays, lists, meanwhile, fstats, notes):
+    """Fork child ``c`` of event ``n`` (``fork_child``, keeping ``arrays`` and the helper
+    threads' ``lists``), run ``meanwhile()`` while it holds them, let it check, count its
+    report in ``fstats``; what ``meanwhile`` returned."""
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid, proc = _start_fork_child(ctx, n + c, arrays, go_r, out_w, (go_w, out_r), lists)
+    os.close(go_r)
+    os.close(out_w)
+    fstats[F_EVENTS] += 1
+    fstats[F_PROCESS if proc is not None else F_OS_FORK] += 1
+    fstats[F_THREADED] += bool(lists)
+    how = ("Process" if proc is not None else "os.fork") + \
+        (f" beside threads, child {c + 1}" if lists else "")
+    rep = result = None
+    try:
+        result = meanwhile()
+        os.write(go_w, b"g")
+        rep = _read_report(out_r, FORK_TIMEOUT)
     finally:
-        for kid in kids:
-            os.close(kid[2])
-            os.close(kid[3])
-        cleans = [_reap(kid[0], kid[1], FORK_TIMEOUT) for kid in kids]
-    for (pid, proc, _, _, how), rep, clean in zip(kids, reports, cleans):
-        if rep is None:
-            fstats[F_UNREPORTED] += 1
-            notes.append(f"forker: fork event {n} ({how}): the child never reported")
-        else:
-            fstats[F_CHILD_CHECKS] += rep["checks"]
-            fstats[F_CHILD_BAD] += rep["bad"]
-            fstats[F_THREAD_CHECKS] += rep["thread_checks"]
-            fstats[F_THREAD_BAD] += rep["thread_bad"]
-            if rep["bad"]:
-                notes.append(f"forker: fork event {n} ({how}): {rep['bad']} inherited arrays "
-                             "changed under the child: " + "; ".join(rep["wrong"]))
-        if not clean:
-            fstats[F_CHILD_FAILED] += 1
+        os.close(go_w)
+        os.close(out_r)
+        clean = _reap(pid, proc, FORK_TIMEOUT)
+    if rep is None:
+        fstats[F_UNREPORTED] += 1
+        notes.append(f"forker: fork event {n} ({how}): the child never reported")
+    else:
+        fstats[F_CHILD_CHECKS] += rep["checks"]
+        fstats[F_CHILD_BAD] += rep["bad"]
+        fstats[F_THREAD_CHECKS] += rep["thread_checks"]
+        fstats[F_THREAD_BAD] += rep["thread_bad"]
+        if rep["bad"]:
+            notes.append(f"forker: fork event {n} ({how}): {rep['bad']} inherited arrays "
+                         "changed under the child: " + "; ".join(rep["wrong"]))
+    if not clean:
+        fstats[F_CHILD_FAILED] += 1
+    return result
 
 
 def threaded(n, fork_threads):
@@ -618,7 +644,7 @@ def thread_feeder(q, stop, seed):
         for _, nbytes in THREAD_CLASSES:
             spec = (pattern_id(seed, "feeder", k), np.dtype("<u8"), (nbytes // 8,), ())
             a = mp.empty(spec[2], "<u8")
-            a[...] = pattern(spec[0], "<u8", spec[2])
+            a.fill(spec[0])                         # (its pattern: its id in every word)
             k += 1
             while not stop.is_set():
                 try:
@@ -654,11 +680,19 @@ class Helpers:
     @contextlib.contextmanager
     def running(self):
         self.go.set()
-        time.sleep(0.002)           # (the threads wake)
+        self.warm()
         try:
             yield
         finally:
             self.go.clear()
+
+    def warm(self, arrays=4, timeout=1.0):
+        """Wait until the threads have made or received ``arrays`` more (at most ``timeout``
+        s): they run when the next fork comes (on a busy machine a thread just woken may not
+        have run yet)."""
+        end, goal = time.monotonic() + timeout, sum(self.made) + arrays
+        while sum(self.made) < goal and time.monotonic() < end and not self.errors:
+            time.sleep(0.001)
 
     def _turn(self):
         while not self.stop_now.is_set():
@@ -673,7 +707,7 @@ class Helpers:
         while len(kept) > THREAD_KEEP:
             a, spec = kept.pop(0)
             self.checks[j][CHECKS] += 1
-            self.checks[j][BAD] += not holds_pattern(a, spec)
+            self.checks[j][BAD] += not holds_word(a, spec)
             del a
 
     def _guard(self, j, loop):
@@ -689,7 +723,7 @@ class Helpers:
                 spec = (pattern_id(self.seed, "thread", j, k), np.dtype("<u8"), (nbytes // 8,),
                         ())
                 a = self.mp.empty(spec[2], "<u8")
-                a[...] = pattern(spec[0], "<u8", spec[2])
+                a.fill(spec[0])                     # (its pattern: its id in every word)
                 self._keep(j, (a, spec))
                 k += 1
                 del a
@@ -702,7 +736,7 @@ class Helpers:
             except queue.Empty:
                 continue
             self.checks[j][CHECKS] += 1
-            self.checks[j][BAD] += not holds_pattern(a, spec)
+            self.checks[j][BAD] += not holds_word(a, spec)
             self._keep(j, (a, spec))
             del a
 
@@ -719,10 +753,20 @@ class Helpers:
         for kept in self.kept:
             for a, spec in kept:
                 self.checks[0][CHECKS] += 1
-                self.checks[0][BAD] += not holds_pattern(a, spec)
+                self.checks[0][BAD] += not holds_word(a, spec)
             del kept[:]
+        # The feeder may be blocked in put() until the window of what is in flight to us
+        # drains (channels/flow.py, whatever put's timeout): receive until it has ended.
         self.feeder_stop.set()
-        self.feeder.join(FORK_TIMEOUT)
+        end = time.monotonic() + FORK_TIMEOUT
+        while self.feeder.is_alive() and time.monotonic() < end:
+            try:
+                self.queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+            except (OSError, EOFError):
+                break
+        self.feeder.join(5)
         if self.feeder.is_alive():
             problems.append("forker: the thread feeder did not stop (killed)")
             os.kill(self.feeder.pid, signal.SIGKILL)
