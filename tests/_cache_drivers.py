@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import sharedmp as mp
-from sharedmp.memory import manager, segment
+from sharedmp.memory import manager, named
 
 from _helpers import eventually, say, segment_memfds
 
@@ -32,18 +32,18 @@ def shmem():
 
 
 def files():
-    return sorted(n for n in os.listdir(segment.shm_dir()) if n.startswith(segment.PREFIX))
+    return sorted(n for n in os.listdir(named.shm_dir()) if n.startswith(named.PREFIX))
 
 
 def mapped():
     """Bytes of sharedmp segments this process maps (/proc/self/maps: memfds, and files of
     the shm directory): unlike Shmem, not moved by the other processes of the machine (a
     second test suite beside this one)."""
-    named = os.path.join(segment.shm_dir(), segment.PREFIX)
+    prefix = os.path.join(named.shm_dir(), named.PREFIX)
     total = 0
     with open("/proc/self/maps") as f:
         for line in f:
-            if "/memfd:sharedmp" in line or f" {named}" in line:
+            if "/memfd:sharedmp" in line or f" {prefix}" in line:
                 lo, hi = line.split()[0].split("-")
                 total += int(hi, 16) - int(lo, 16)
     return total

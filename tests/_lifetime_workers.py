@@ -45,7 +45,7 @@ import traceback
 import numpy as np
 
 import sharedmp as mp
-from sharedmp.memory import manager, segment
+from sharedmp.memory import manager, named, segment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WAIT = 30.0             # seconds for any answer of a child, any get, any join
@@ -136,7 +136,7 @@ def shm_files(shm):
     out = []
     for d, _, names in os.walk(shm):
         out += [os.path.relpath(os.path.join(d, n), shm) for n in names
-                if n.startswith(segment.PREFIX)]
+                if n.startswith(named.PREFIX)]
     return sorted(out)
 
 
@@ -518,7 +518,7 @@ def bounded(fn, timeout, what):
 class Driver:
     def __init__(self):
         self.strategy = mp.get_sharing_strategy()
-        self.shm = os.path.realpath(segment.shm_dir())
+        self.shm = os.path.realpath(named.shm_dir())
         self.held = {}          # id: [arrays] this process holds
         self.sizes = {}         # id: elements
         self.children = {}      # cid: Child

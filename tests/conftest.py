@@ -24,7 +24,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp import host
-from sharedmp.memory import arena, segment
+from sharedmp.memory import arena, named, segment
 
 from _helpers import (TIMEOUT, data_ptr, eventually, fds_on, memfd_maps,  # noqa: F401
                       open_fds, proc_stat, segment_memfds)
@@ -65,10 +65,10 @@ def shm_files():
     arenas = [a.ref() for a in [*arena._current.values(), *arena._idle.values()]]
     keep = {seg.name for seg in map(segment.segment_of, arenas) if seg is not None}
     try:
-        names = os.listdir(segment.shm_dir())
+        names = os.listdir(named.shm_dir())
     except FileNotFoundError:
         return set()
-    return {n for n in names if n.startswith(segment.PREFIX) and n not in keep}
+    return {n for n in names if n.startswith(named.PREFIX) and n not in keep}
 
 
 def segment_fds():
@@ -155,7 +155,7 @@ def no_leaks(request):
     if stray:
         problems.append(f"{stray} child process(es) still alive after the test (killed)")
     if left:
-        problems.append(f"segments left in {segment.shm_dir()}: {sorted(left)[:5]}")
+        problems.append(f"segments left in {named.shm_dir()}: {sorted(left)[:5]}")
     if fds:
         problems.append(f"segment fds left open: {sorted(fds)[:10]}")
     if problems:
@@ -301,12 +301,12 @@ def pytest_configure(config):
     # Named segments of this run (and of the processes it starts) go to a tmpfs directory
     # of its own: the leak check must not count files of another run on the same machine.
     # (each pytest-xdist worker too: they inherit the controller's environment)
-    inherited = os.environ.get(segment.SHM_DIR_ENV)
+    inherited = os.environ.get(named.SHM_DIR_ENV)
     mine = not inherited or (os.environ.get("PYTEST_XDIST_WORKER")
                              and os.path.basename(inherited).startswith("sharedmp-tests-"))
     if mine and os.path.isdir("/dev/shm"):
         config._sharedmp_shm_dir = tempfile.mkdtemp(prefix="sharedmp-tests-", dir="/dev/shm")
-        os.environ[segment.SHM_DIR_ENV] = config._sharedmp_shm_dir
+        os.environ[named.SHM_DIR_ENV] = config._sharedmp_shm_dir
 
 
 def pytest_report_header(config):
@@ -316,5 +316,5 @@ def pytest_report_header(config):
 def pytest_unconfigure(config):
     directory = getattr(config, "_sharedmp_shm_dir", None)
     if directory:
-        os.environ.pop(segment.SHM_DIR_ENV, None)
+        os.environ.pop(named.SHM_DIR_ENV, None)
         shutil.rmtree(directory, ignore_errors=True)

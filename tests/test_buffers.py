@@ -225,7 +225,7 @@ def test_standard_library_channels_still_pickle_arrow_in_band():
 # -- hostile or broken frames --------------------------------------------------------------
 
 def test_a_place_outside_its_segment_is_a_protocol_error():
-    mapping, offset = segment.create(1 << 16, "file_descriptor")[1], 0
+    mapping, offset = segment.create(1 << 16)[1], 0
     with pytest.raises(mp.ProtocolError, match="does not fit"):
         wire._view((mapping, len(mapping) - 4, 100, True))
     with pytest.raises(mp.ProtocolError, match="place must be"):

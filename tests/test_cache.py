@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import sharedmp as mp
-from sharedmp.memory import arena, cache, recycle, segment
+from sharedmp.memory import arena, cache, named, recycle, segment
 
 from conftest import eventually, run_bounded
 
@@ -39,7 +39,7 @@ def shm(tmp_path):
 def drive(directory, *args, timeout=180):
     env = {k: v for k, v in os.environ.items()
            if k not in ("SHAREDMP_MANAGER", mp.strategy.ENV, cache.ENV)}
-    env[segment.SHM_DIR_ENV] = directory
+    env[named.SHM_DIR_ENV] = directory
     rc, out, err = run_bounded([sys.executable, DRIVERS, *map(str, args)], timeout=timeout,
                                env=env)
     assert rc == 0, err[-3000:]

@@ -24,7 +24,7 @@ import pytest
 import sharedmp as mp
 from sharedmp import datasets
 from sharedmp.datasets import block, containers
-from sharedmp.memory import segment
+from sharedmp.memory import named
 
 import _dataset_workers as dw
 import _workers as w
@@ -749,10 +749,10 @@ def test_dataloader_workers_of_an_unchanged_dataset_read_shared_memory(start_met
 
 def _shm_bytes():
     """Bytes the sharedmp files in the shm directory take (file_system segments)."""
-    d = segment.shm_dir()
+    d = named.shm_dir()
     total = 0
     for name in os.listdir(d):
-        if name.startswith(segment.PREFIX):
+        if name.startswith(named.PREFIX):
             try:
                 total += os.stat(os.path.join(d, name)).st_blocks * 512
             except FileNotFoundError:
@@ -850,7 +850,7 @@ def test_a_killed_program_with_dataloader_workers_leaves_nothing(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {k: v for k, v in os.environ.items() if k != manager.ENV}
-    env[segment.SHM_DIR_ENV] = str(shm)
+    env[named.SHM_DIR_ENV] = str(shm)
     env[mp.strategy.ENV] = "file_system"
     # (its stderr to a file: the standard resource tracker it leaves behind says what it
     # cleaned up once the program is gone, which is not this test's business)
@@ -873,7 +873,7 @@ def test_a_killed_program_with_dataloader_workers_leaves_nothing(tmp_path):
             proc.stdout.close()
 
         def clean():
-            listed = [n for n in os.listdir(shm) if n.startswith(segment.PREFIX)]
+            listed = [n for n in os.listdir(shm) if n.startswith(named.PREFIX)]
             pooled = [n for p in leftovers.pool_dirs(str(shm)) for n in os.listdir(p)]
             return not listed and not pooled and not any(_alive(pid) for pid in pids)
         assert eventually(clean, TIMEOUT), (os.listdir(shm), [_alive(p) for p in pids])

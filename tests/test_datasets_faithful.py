@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sharedmp as mp
-from sharedmp.memory import segment
+from sharedmp.memory import named, segment
 
 import _dataset_workers as dw
 import _workers as w
@@ -82,7 +82,7 @@ def test_no_other_process_can_write_a_block(strategy):
     s = mp.SharedList(records)
     d = mp.SharedDict({f"key-{i}": r for i, r in enumerate(records)})
     proc = subprocess.run([sys.executable, "-I", "-c", TAMPER, str(os.getpid()),
-                           segment.shm_dir()], capture_output=True, text=True, timeout=TIMEOUT)
+                           named.shm_dir()], capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     count, wrote = proc.stdout.split(" ", 1)
     assert int(count) >= 2                    # it found the blocks

@@ -24,7 +24,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp import host
-from sharedmp.memory import cache, segment
+from sharedmp.memory import cache, named, segment
 
 import _differential_workers as dw
 import _workers as w
@@ -66,16 +66,16 @@ def reference():
 @pytest.fixture
 def shm_dir(monkeypatch):
     """Named segments (file_system) in a directory of this test's own, checked empty after."""
-    base = segment.shm_dir()
+    base = named.shm_dir()
     d = tempfile.mkdtemp(prefix="differential-", dir=base if os.path.isdir(base) else None)
-    monkeypatch.setenv(segment.SHM_DIR_ENV, d)
+    monkeypatch.setenv(named.SHM_DIR_ENV, d)
     monkeypatch.setattr(cache, "_idle", 60.0)    # (kept segments stay until empty_cache)
     yield d
     segment.forget_recent()
 
     def empty():
         mp.empty_cache()
-        return not [n for n in os.listdir(d) if n.startswith(segment.PREFIX)]
+        return not [n for n in os.listdir(d) if n.startswith(named.PREFIX)]
     assert eventually(empty), os.listdir(d)
     shutil.rmtree(d, ignore_errors=True)
 

@@ -11,8 +11,8 @@ import pytest
 
 import sharedmp
 from sharedmp.cli import doctor as doctor_mod
-from sharedmp.memory import daemon, leftovers, segment
-from sharedmp.memory.segment import PREFIX, SHM_DIR_ENV
+from sharedmp.memory import daemon, leftovers, named, segment
+from sharedmp.memory.named import PREFIX, SHM_DIR_ENV
 from sharedmp.strategy import ENV as STRATEGY_ENV
 
 from _helpers import eventually
@@ -257,9 +257,9 @@ def test_in_use_of_any_file_and_proc_stat(tmp_path):
 def test_one_segment_name_pattern():
     """The daemon, a stdlib-only script, cannot import segment.py: its copy of the pattern must
     stay the same, or it would refuse (never unlink) the names segment.py makes."""
-    assert daemon.NAME_RE.pattern == segment.NAME_RE.pattern
+    assert daemon.NAME_RE.pattern == named.NAME_RE.pattern
     name = PREFIX + secrets.token_hex(10)
-    assert segment.NAME_RE.match(name) and not segment.NAME_RE.match(name + "0")
+    assert named.NAME_RE.match(name) and not named.NAME_RE.match(name + "0")
 
 
 _HOLDER = """

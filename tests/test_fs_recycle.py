@@ -18,7 +18,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
-from sharedmp.memory import arena, cache, daemon, leftovers, manager, recycle, segment
+from sharedmp.memory import arena, cache, daemon, leftovers, manager, named, recycle, segment
 
 from conftest import TIMEOUT, eventually, join_or_kill
 
@@ -30,9 +30,9 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ne
 def fs(monkeypatch):
     """file_system in a directory of this test's own (on the run's tmpfs); checked empty,
     pool directories included, once the test has let go of everything."""
-    base = segment.shm_dir()
+    base = named.shm_dir()
     d = tempfile.mkdtemp(prefix="fsrecycle-", dir=base if os.path.isdir(base) else None)
-    monkeypatch.setenv(segment.SHM_DIR_ENV, d)
+    monkeypatch.setenv(named.SHM_DIR_ENV, d)
     # Kept segments are let go after cache.idle() seconds unused (1 s): more than a loaded
     # machine's spawn and join take. Tests of that release set their own.
     monkeypatch.setattr(cache, "_idle", 60.0)
@@ -50,7 +50,7 @@ def fs(monkeypatch):
 
 def listed(d):
     """The segments in the shm directory's listing."""
-    return sorted(n for n in os.listdir(d) if n.startswith(segment.PREFIX))
+    return sorted(n for n in os.listdir(d) if n.startswith(named.PREFIX))
 
 
 def pooled(d):
@@ -279,7 +279,7 @@ def test_a_killed_program_leaves_nothing_in_the_pool(tmp_path):
             "keep = mp.full(1 << 21, 1, np.uint8)\n"
             "print(manager.daemon_pid(), flush=True); time.sleep(60)\n")
     env = {k: v for k, v in os.environ.items() if k != manager.ENV}
-    env[segment.SHM_DIR_ENV] = str(tmp_path)
+    env[named.SHM_DIR_ENV] = str(tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                             text=True)
     try:
@@ -371,7 +371,7 @@ def test_a_burst_keeps_its_arena_and_lets_it_go_after(fs, monkeypatch):
     # A burst is carves less than PARK_DEFER (5 ms) apart: a loaded machine can pause this
     # test longer than that between two lines, so the test stretches the burst's window.
     with monkeypatch.context() as m:
-        m.setattr(segment, "PARK_DEFER", 60.0)
+        m.setattr(named, "PARK_DEFER", 60.0)
         got = [mp.full(10, float(i)) for i in range(100)]
         names = {name(a) for a in got}
         assert len(names) == 1                     # one arena
@@ -421,7 +421,7 @@ def test_copies_agree():
     # daemon.py is a stdlib-only script: its constants are copies
     assert daemon.POOL_DIR == manager.POOL_DIR
     assert leftovers.POOL_RE.match(manager.POOL_DIR % 123)
-    assert segment.KEEP_RECENT_NAMED_SIZE == arena.ARENA_SIZE
+    assert named.KEEP_RECENT_NAMED_SIZE == arena.ARENA_SIZE
 
 
 @linux_only
@@ -435,7 +435,7 @@ def test_doctor_clean_removes_what_a_killed_daemons_pool_left(tmp_path):
     found = leftovers.find_leftovers(str(tmp_path))
     assert [e[0] for e in found] == [str(left)]
     env = {k: v for k, v in os.environ.items() if k != manager.ENV}
-    env[segment.SHM_DIR_ENV] = str(tmp_path)
+    env[named.SHM_DIR_ENV] = str(tmp_path)
     doctor = subprocess.run([sys.executable, "-m", "sharedmp", "doctor", "--clean"], env=env,
                             capture_output=True, text=True, timeout=TIMEOUT)
     assert not left.exists() and not pool.exists(), doctor.stdout

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 import sharedmp as mp
 from sharedmp.channels.fdpass import (FDS_ON_SOCKET, FLIGHT_TOKEN, HEADER, KIND, MAGIC, MAX_FDS, MAX_FDS_PER_MSG, MAX_PAYLOAD,
                                       PAYLOAD_IN_MEMFD, VERSION)
-from sharedmp.memory import manager, segment
+from sharedmp.memory import manager, named, segment
 from sharedmp.reductions.ndarray import rebuild_ndarray
 
 from test_hostile_frames import InBandSegment, _target      # the same helpers
@@ -63,7 +63,7 @@ class Named:
         self.name = name
 
     def __reduce__(self):
-        return segment.attach_name, (self.name,)
+        return named.attach_name, (self.name,)
 
 
 class Array:
@@ -598,14 +598,14 @@ NAME_KINDS = ["segment", "missing", "symlink", "directory", "fifo", "empty file"
 @pytest.fixture(scope="module")
 def shm_dir():
     d = tempfile.mkdtemp(prefix="sharedmp-fuzz-")
-    old = os.environ.get(segment.SHM_DIR_ENV)
-    os.environ[segment.SHM_DIR_ENV] = d
+    old = os.environ.get(named.SHM_DIR_ENV)
+    os.environ[named.SHM_DIR_ENV] = d
     manager.ensure()            # the daemon's connection is opened once, not counted as a leak
     yield d
     if old is None:
-        os.environ.pop(segment.SHM_DIR_ENV, None)
+        os.environ.pop(named.SHM_DIR_ENV, None)
     else:
-        os.environ[segment.SHM_DIR_ENV] = old
+        os.environ[named.SHM_DIR_ENV] = old
     for n in os.listdir(d):
         os.unlink(os.path.join(d, n)) if not os.path.isdir(os.path.join(d, n)) else os.rmdir(os.path.join(d, n))
     os.rmdir(d)
@@ -654,7 +654,7 @@ def test_segment_names(shm_dir, name_or_kind):
                     "empty file": "not a segment of this user", "another user's": "not a segment of this user"}[kind]
     else:
         kind, name = "text", name_or_kind
-        assume(not segment.NAME_RE.match(name))
+        assume(not named.NAME_RE.match(name))
         expected = "is not a sharedmp segment name"
     try:
         payload = pickle.dumps(Array(Named(name), 0, (16,), (1,), "|u1"), pickle.HIGHEST_PROTOCOL)

@@ -23,7 +23,7 @@ joblib = pytest.importorskip("joblib")
 import sharedmp as mp  # noqa: E402
 import sharedmp.joblib as smj  # noqa: E402
 from sharedmp.cli import doctor  # noqa: E402
-from sharedmp.memory import cache, segment  # noqa: E402
+from sharedmp.memory import cache, named  # noqa: E402
 
 import _joblib_workers as w  # noqa: E402
 from conftest import eventually, join_or_kill, run_bounded, shm_files  # noqa: E402
@@ -471,7 +471,7 @@ def test_file_system_strategy_leaves_nothing_in_shm(monkeypatch):
     gc.collect()
     mp.empty_cache()
     assert eventually(lambda: not (shm_files() - before), 5), \
-        f"left in {segment.shm_dir()}: {sorted(shm_files() - before)}"
+        f"left in {named.shm_dir()}: {sorted(shm_files() - before)}"
 
 
 # -- scikit-learn ----------------------------------------------------------------------------

@@ -72,7 +72,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-from sharedmp.memory import manager, segment
+from sharedmp.memory import manager, named
 from sharedmp import host
 from sharedmp import strategy as sharing
 
@@ -133,8 +133,8 @@ class Driver:
         self.shm = tempfile.mkdtemp(prefix="sharedmp-oracle-",
                                     dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         env = {k: v for k, v in os.environ.items()
-               if k not in (manager.ENV, sharing.ENV, segment.SHM_DIR_ENV)}
-        env.update({segment.SHM_DIR_ENV: self.shm, sharing.ENV: strategy,
+               if k not in (manager.ENV, sharing.ENV, named.SHM_DIR_ENV)}
+        env.update({named.SHM_DIR_ENV: self.shm, sharing.ENV: strategy,
                     "PYTHONUNBUFFERED": "1"})
         self.proc = subprocess.Popen([sys.executable, DRIVER], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -170,7 +170,7 @@ class Driver:
     def files(self):
         out = []
         for d, _, names in os.walk(self.shm):
-            out += [os.path.join(d, n) for n in names if n.startswith(segment.PREFIX)]
+            out += [os.path.join(d, n) for n in names if n.startswith(named.PREFIX)]
         return out
 
 

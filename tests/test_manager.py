@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import sharedmp as mp
-from sharedmp.memory import manager, segment
+from sharedmp.memory import manager, named, segment
 
 from conftest import TIMEOUT, eventually, join_or_kill, proc_stat
 
@@ -46,7 +46,7 @@ def kill(pid):
 
 
 def segments_in(directory):
-    return sorted(n for n in os.listdir(directory) if n.startswith(segment.PREFIX))
+    return sorted(n for n in os.listdir(directory) if n.startswith(named.PREFIX))
 
 
 def size_of(path):
@@ -63,7 +63,7 @@ class Driver:
     def __init__(self, shm_dir, *args, **env):
         e = {k: v for k, v in os.environ.items()
              if k not in (manager.ENV, mp.strategy.ENV, "SHAREDMP_KEEP_ORPHANS")}
-        e.update({segment.SHM_DIR_ENV: str(shm_dir), "PYTHONUNBUFFERED": "1"}, **env)
+        e.update({named.SHM_DIR_ENV: str(shm_dir), "PYTHONUNBUFFERED": "1"}, **env)
         self.proc = subprocess.Popen([sys.executable, DRIVERS, *map(str, args)], env=e, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE)
@@ -98,7 +98,7 @@ class Driver:
 
 @pytest.fixture
 def fs(tmp_path, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
     mp.set_sharing_strategy("file_system")
     return tmp_path
 
@@ -152,7 +152,7 @@ def test_a_program_ends_without_resource_warnings_leaving_nothing(tmp_path, meth
     # The standard library at exit (python -X dev) warns of nothing it left open; nor does a
     # program of sharedmp's: no unclosed socket to the daemon, no daemon Popen still running.
     env = {k: v for k, v in os.environ.items() if k not in (manager.ENV, mp.strategy.ENV)}
-    env[segment.SHM_DIR_ENV] = str(tmp_path)
+    env[named.SHM_DIR_ENV] = str(tmp_path)
     script = tmp_path / "at_exit.py"
     script.write_text(AT_EXIT)
     proc = subprocess.run([sys.executable, "-X", "dev", str(script), method], env=env,
@@ -503,7 +503,7 @@ def _daemon_sigkilled_then_doctor(tmp_path, runtime):
     left = segments_in(tmp_path)
     assert left, "nothing was left: this scenario tests the cleaning"
     env = {k: v for k, v in os.environ.items() if k != manager.ENV}
-    env[segment.SHM_DIR_ENV] = str(tmp_path)
+    env[named.SHM_DIR_ENV] = str(tmp_path)
     env["XDG_RUNTIME_DIR"] = runtime
     doctor = subprocess.run([sys.executable, "-m", "sharedmp", "doctor", "--clean"], env=env,
                             capture_output=True, text=True, timeout=TIMEOUT)

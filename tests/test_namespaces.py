@@ -20,7 +20,7 @@ import time
 import pytest
 
 from sharedmp.memory import daemon
-from sharedmp.memory.segment import PREFIX
+from sharedmp.memory.named import PREFIX
 
 from conftest import TIMEOUT, eventually, run_bounded
 

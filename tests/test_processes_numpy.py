@@ -13,7 +13,7 @@ import pytest
 
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
-from sharedmp.memory import arena, recycle, segment
+from sharedmp.memory import arena, named, recycle, segment
 
 import _workers as w
 from conftest import TIMEOUT, data_ptr, join_or_kill, segment_memfds
@@ -105,7 +105,7 @@ def test_same_array_twice_same_pointer_and_back_home_same_memory():
 def _shm_entries():
     """sharedmp's names in the shared-memory directory (multiprocessing's sem.mp-* are not
     ours)."""
-    return {n for n in os.listdir(segment.shm_dir()) if n.startswith(segment.PREFIX)}
+    return {n for n in os.listdir(named.shm_dir()) if n.startswith(named.PREFIX)}
 
 
 def _memfd_fds():

@@ -17,7 +17,7 @@ import pytest
 import sharedmp as mp
 from sharedmp.arrays import mapping_of
 from sharedmp.errors import OutOfSharedMemory, SegmentError
-from sharedmp.memory import recycle, segment
+from sharedmp.memory import named, recycle, segment
 
 import _workers as w
 from conftest import eventually, fds_on, memfd_maps
@@ -32,7 +32,7 @@ def _mapped(key):
 # -- memfd ----------------------------------------------------------------------------
 
 def test_memfd_segment_is_sealed_sized_and_anonymous():
-    seg, mm = segment.create(65536, "file_descriptor")
+    seg, mm = segment.create(65536)
     assert seg.kind == "file_descriptor" and seg.size == len(mm) == 65536
     seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
     assert seals & SEALS == SEALS
@@ -49,7 +49,7 @@ def test_memfd_segment_is_sealed_sized_and_anonymous():
 
 
 def test_last_view_releases_fd_and_mapping(pool_stays):
-    seg, mm = segment.create(2 << 20, "file_descriptor")
+    seg, mm = segment.create(2 << 20)
     key = seg.key
     view = np.frombuffer(mm, np.uint8)[::3]
     view2 = view[10:]
@@ -69,7 +69,7 @@ def test_last_view_releases_fd_and_mapping(pool_stays):
 
 
 def test_attach_fd_of_own_segment_is_the_same_mapping():
-    seg, mm = segment.create(8192, "file_descriptor")
+    seg, mm = segment.create(8192)
     dup = os.dup(seg.fd)
     try:
         assert segment.attach_fd(dup) is mm
@@ -151,8 +151,8 @@ def test_attach_fd_refuses_what_is_not_a_segment(tmp_path):
 # -- named segments -------------------------------------------------------------------
 
 def test_named_segment_in_shm_dir_mode_0600_unlinked_when_last_view_dies(tmp_path, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
-    seg, mm = segment.create(8192, "file_system")
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
+    seg, mm = named.create(8192)
     assert re.fullmatch(r"sharedmp_[0-9a-f]{20}", seg.name)    # 80 random bits
     path = tmp_path / seg.name
     assert seg.path == str(path) and path.exists()
@@ -169,23 +169,23 @@ def test_named_segment_in_shm_dir_mode_0600_unlinked_when_last_view_dies(tmp_pat
 
 
 def test_named_segment_unlinked_where_it_was_made_even_if_dir_changes(tmp_path, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
-    seg, mm = segment.create(4096, "file_system")
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
+    seg, mm = named.create(4096)
     path = tmp_path / seg.name
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path / "elsewhere"))
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path / "elsewhere"))
     del mm
     assert eventually(lambda: not path.exists())
 
 
 def test_names_are_unique():
-    segs = [segment.create(4096, "file_system") for _ in range(20)]
+    segs = [named.create(4096) for _ in range(20)]
     assert len({s.name for s, _ in segs}) == 20
     del segs
 
 
 def test_attach_name_is_the_same_mapping_in_the_creator():
-    seg, mm = segment.create(4096, "file_system")
-    assert segment.attach_name(seg.name) is mm
+    seg, mm = named.create(4096)
+    assert named.attach_name(seg.name) is mm
 
 
 @pytest.mark.parametrize("name", [
@@ -195,13 +195,13 @@ def test_attach_name_is_the_same_mapping_in_the_creator():
 ])
 def test_attach_name_refuses_bad_names(name):
     with pytest.raises(SegmentError):
-        segment.attach_name(name)
+        named.attach_name(name)
 
 
 def test_attach_name_refuses_missing_and_foreign_files(tmp_path, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
     with pytest.raises(SegmentError, match="no longer exists"):
-        segment.attach_name("sharedmp_" + "0" * 20)
+        named.attach_name("sharedmp_" + "0" * 20)
     target = tmp_path / "target"
     target.write_bytes(b"x" * 4096)
     (tmp_path / ("sharedmp_" + "1" * 20)).symlink_to(target)   # a symlink is not followed
@@ -209,11 +209,11 @@ def test_attach_name_refuses_missing_and_foreign_files(tmp_path, monkeypatch):
     (tmp_path / ("sharedmp_" + "3" * 20)).write_bytes(b"")     # empty
     for k in "123":
         with pytest.raises(SegmentError):
-            segment.attach_name("sharedmp_" + k * 20)
+            named.attach_name("sharedmp_" + k * 20)
 
 
 def test_attaching_process_never_unlinks(tmp_path, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
     mp.set_sharing_strategy("file_system")
     a = mp.zeros(1 << 18)                                      # 2 MiB: a named segment of its own
     seg = mapping_of(a)[1]
@@ -231,7 +231,7 @@ def test_attaching_process_never_unlinks(tmp_path, monkeypatch):
 
 def test_fork_child_unlinks_what_it_created(tmp_path, monkeypatch):
     from conftest import join_or_kill
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
     mp.set_sharing_strategy("file_system")
     keep = mp.zeros(10)                                        # the parent's arena, inherited
     ctx = multiprocessing.get_context("fork")
@@ -241,7 +241,7 @@ def test_fork_child_unlinks_what_it_created(tmp_path, monkeypatch):
     assert join_or_kill(p) == 0
 
     def only_the_parents():
-        names = {n for n in os.listdir(tmp_path) if n.startswith(segment.PREFIX)}
+        names = {n for n in os.listdir(tmp_path) if n.startswith(named.PREFIX)}
         return names == {mapping_of(keep)[1].name}
     assert eventually(only_the_parents), "a fork child left its segments behind"
     del keep
@@ -273,7 +273,7 @@ def small_tmpfs(tmp_path):
 
 
 def test_full_tmpfs_raises_out_of_shared_memory_not_sigbus(small_tmpfs, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, small_tmpfs)
+    monkeypatch.setenv(named.SHM_DIR_ENV, small_tmpfs)
     mp.set_sharing_strategy("file_system")
     ctx = multiprocessing.get_context("spawn")                 # inherits both variables
     r = w.run(ctx, w.exhaust, "tmpfs")                         # exit code 0, not -SIGBUS
@@ -284,7 +284,7 @@ def test_full_tmpfs_raises_out_of_shared_memory_not_sigbus(small_tmpfs, monkeypa
         assert "SHAREDMP_SHM_DIR" in text and "file_descriptor" in text  # what to do
     assert "16.0 MiB" in one_big
     assert 0 < r["held"] <= 1024 and r["touched_ok"]           # what was handed out is real
-    assert not [n for n in os.listdir(small_tmpfs) if n.startswith(segment.PREFIX)]
+    assert not [n for n in os.listdir(small_tmpfs) if n.startswith(named.PREFIX)]
 
 
 def test_beyond_machine_memory_raises_out_of_shared_memory():
@@ -300,24 +300,21 @@ def test_beyond_machine_memory_raises_out_of_shared_memory():
 def test_out_of_shared_memory_is_a_memory_error():
     assert issubclass(OutOfSharedMemory, MemoryError)
     with pytest.raises(OutOfSharedMemory):
-        segment.create(1 << 60, "file_descriptor")             # refused before any syscall
+        segment.create(1 << 60)             # refused before any syscall
 
 
 def test_missing_shm_dir_says_so(tmp_path, monkeypatch):
-    monkeypatch.setenv(segment.SHM_DIR_ENV, str(tmp_path / "missing"))
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(OutOfSharedMemory, match="SHAREDMP_SHM_DIR"):
-        segment.create(4096, "file_system")
+        named.create(4096)
 
 
 @pytest.mark.parametrize("size", [0, -1])
-def test_create_refuses_empty_sizes(size):
-    with pytest.raises(ValueError):
-        segment.create(size, "file_descriptor")
-
-
-def test_create_refuses_unknown_kind():
-    with pytest.raises(ValueError, match="nope"):
-        segment.create(4096, "nope")
+@pytest.mark.parametrize("maker", [segment, named], ids=["memfd", "named"])
+def test_create_refuses_empty_sizes(size, maker, tmp_path, monkeypatch):
+    monkeypatch.setenv(named.SHM_DIR_ENV, str(tmp_path))
+    with pytest.raises(ValueError, match="> 0"):
+        maker.create(size)
 
 
 def test_segment_of_foreign_objects_is_none():

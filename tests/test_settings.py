@@ -127,4 +127,4 @@ def test_the_cached_readers_use_the_settings(monkeypatch):
     assert cache.idle() == 3.0
     assert recycle.limit() == 4096
     monkeypatch.setenv(settings.SHM_DIR, "/somewhere")
-    assert mp.memory.segment.shm_dir() == "/somewhere"
+    assert mp.memory.named.shm_dir() == "/somewhere"

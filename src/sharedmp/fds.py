@@ -11,7 +11,7 @@ and kept fds (``cuda/ipc.py``), the dups a queue holds for messages its feeder h
 (``channels/queues.py``), the private fds of recycling's pool (``memory/recycle.py``); their
 ``in_child`` hooks close the child's copies with ``close_inherited`` (CUDA's imported ones
 stay with the child's copies of their tensors: CUDA is not usable after fork). A mapped segment's
-fds are not held this way: they go with the mapping (``segment._release``, its finalizer),
+fds are not held this way: they go with the mapping (``segment.release``, its finalizer),
 in whichever process holds the mapping, a forked child's copy included.
 
 A *token pipe* tells a sender when a message was taken: the message carries a copy of the

@@ -211,7 +211,8 @@ class Window:
                 gone += seg.size
                 continue
             ref = _Sent(mm, self._dropped.append)
-            ref.seg, ref.size, ref.cover, ref.paths = seg, seg.size, cover, [seg.path]
+            ref.seg, ref.size, ref.cover = seg, seg.size, cover
+            ref.paths = [seg.path] if seg.path is not None else []
             with self._lock:
                 sent[seg] = ref
         return gone

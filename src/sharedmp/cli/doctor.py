@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from .. import __version__
 from . import dist_version
 from ..errors import OutOfSharedMemory
-from ..memory import leftovers, segment
-from ..memory.segment import SHM_DIR_ENV
+from ..memory import leftovers, named, segment
+from ..memory.named import SHM_DIR_ENV
 from .. import strategy as _strategy
 from ..strategy import ENV as STRATEGY_ENV
 
@@ -199,7 +199,7 @@ def check_memfd(current):
                      fix if needed else None)
     import fcntl
     try:                          # made as the file_descriptor strategy makes every segment
-        seg, lease = segment.create(mmap.PAGESIZE, "file_descriptor")
+        seg, lease = segment.create(mmap.PAGESIZE)
     except (OSError, OutOfSharedMemory) as e:
         return Check("memfd", bad, f"a sealed memfd segment cannot be made: {e}", fix)
     try:
@@ -233,7 +233,7 @@ def _mount_of(path):
 
 def check_shm_dir(current, strategies):
     """(checks, usable): the directory of named segments (the file_system strategy)."""
-    d = segment.shm_dir()
+    d = named.shm_dir()
     source = f"${SHM_DIR_ENV}" if os.environ.get(SHM_DIR_ENV) else "default"
     fatal = current == "file_system" or strategies == {"file_system"}
     bad = FAIL if fatal else WARN
@@ -490,7 +490,7 @@ def run_checks(do_clean=False):
     checks.append(check_memfd(current))
     shm_checks, shm_ok = check_shm_dir(current, strategies)
     checks += shm_checks
-    directory = segment.shm_dir()
+    directory = named.shm_dir()
     if os.path.isdir(directory):
         leftover_checks, removed = check_leftovers(directory, do_clean)
         checks += leftover_checks

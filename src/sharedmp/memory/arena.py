@@ -16,13 +16,13 @@ The current arena is a cache too: once nothing has been carved from it for
 its last array (and is carved further if one still lives when the next array is made).
 
 Under file_system the allocator holds its arena only while it carves from it in a burst
-(its previous carve less than ``segment.PARK_DEFER`` before), and until the cache thread's
+(its previous carve less than ``named.PARK_DEFER`` before), and until the cache thread's
 next tick after; otherwise weakly. A named arena is a file in the shm directory, and one
 that no array uses must leave the listing promptly (tests, torch's own among them, wait
-for /dev/shm to empty): its last array gone, the arena is parked (``segment.py``,
+for /dev/shm to empty): its last array gone, the arena is parked (``named.py``,
 ``recycle.py``: the daemon moves it to the pool once no other process holds it), unless it
 was carved from just before (a burst starting): then it stays pending, and the next carve
-revives it (``segment.revive``). A burst pays nothing per array for this.
+revives it (``named.revive``). A burst pays nothing per array for this.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .. import forks, host
-from . import cache, segment
+from . import cache, named, segment
 
 if TYPE_CHECKING:
     from .segment import SegmentMapping
@@ -71,15 +71,20 @@ _idle: dict[str, _Arena] = {}
 _lock = threading.Lock()
 
 
+def _maker(kind):
+    """The module that makes segments of the strategy ``kind``."""
+    return named if kind == "file_system" else segment
+
+
 def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping, int]:
     """Shared memory no one else uses: (mapping, offset) with ``nbytes`` bytes at offset.
 
     Zeroed, unless ``zero`` is false (the caller overwrites every byte): then recycled
     memory may keep its old contents."""
     if nbytes >= SMALL_LIMIT:
-        return segment.create(nbytes, kind, zero)[1], 0
+        return _maker(kind).create(nbytes, zero)[1], 0
     global _last_named_carve
-    where = segment.shm_dir() if kind == "file_system" else None
+    where = named.shm_dir() if kind == "file_system" else None
     with _lock:
         arena = _current.get(kind)
         if arena is None:
@@ -90,21 +95,21 @@ def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping,
             if mapping is None and arena.seg is not None:   # named: its lease, if any array
                 mapping = arena.seg.mapping()               # views it, or a new one if it
                 if mapping is None:                         # is pending
-                    mapping = segment.revive(arena.seg)
+                    mapping = named.revive(arena.seg)
         if mapping is None or arena.used + nbytes > ARENA_SIZE or arena.where != where:
             # The old arena stays alive as long as arrays carved from it do. A new
             # $SHAREDMP_SHM_DIR takes effect for small arrays too, not only for big ones.
             if arena is not None and arena.seg is not None:
-                segment.abandon(arena.seg)          # parked once no array uses it
-            named = kind == "file_system"
-            seg, mapping = segment.create(ARENA_SIZE, kind, zero=False, revivable=named)
+                named.abandon(arena.seg)            # parked once no array uses it
+            seg, mapping = (named.create(ARENA_SIZE, zero=False, revivable=True)
+                            if kind == "file_system" else segment.create(ARENA_SIZE, zero=False))
             arena = _current[kind] = _Arena(kind, where, seg, mapping)
         offset = arena.used
         arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
         if arena.seg is not None:
             now = time.monotonic()
             # held in a burst; weakly otherwise (parked as soon as no array uses it)
-            arena.mapping = mapping if now - _last_named_carve < segment.PARK_DEFER else None
+            arena.mapping = mapping if now - _last_named_carve < named.PARK_DEFER else None
             arena.seg.carved = _last_named_carve = now
         if zero and arena.dirty:
             mapping[offset:] = 0
@@ -135,7 +140,7 @@ def _expire(cutoff):
                 if not segment.registered(arena.seg):
                     del _current[kind]
                 elif arena.mapping is not None and (
-                        cutoff is None or now - arena.seg.carved > segment.PARK_DEFER):
+                        cutoff is None or now - arena.seg.carved > named.PARK_DEFER):
                     gone.append(arena.mapping)      # the burst is over
                     arena.mapping = None
                 continue
@@ -189,7 +194,7 @@ def stray_segment_fds():
             st = os.stat(path)
         except OSError:
             continue
-        if (target == "/memfd:sharedmp (deleted)" or segment.PREFIX in target) \
+        if (target == "/memfd:sharedmp (deleted)" or named.PREFIX in target) \
                 and (st.st_dev, st.st_ino) not in keep:
             out.add(int(path.rsplit("/", 1)[1]))
     return out

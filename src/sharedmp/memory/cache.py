@@ -3,9 +3,9 @@
 sharedmp keeps three caches of shared memory, each a loan from the user:
 
     arena.py     the current arena of each strategy, which the allocator keeps carving
-    segment.py   the few small segments received last, kept mapped (``_recent``); and the
-                 named arenas whose last array went during a burst ("pending", parked at
-                 the next tick)
+    segment.py   the few small segments received last, kept mapped (``_recent``)
+    named.py     the named arenas whose last array went during a burst ("pending", parked
+                 at the next tick)
     recycle.py   segments this process made, kept mapped for reuse (the pool): memfds, and
                  named segments parked with the manager daemon (out of the shm directory's
                  listing once free)

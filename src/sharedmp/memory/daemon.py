@@ -135,7 +135,7 @@ Fork. A forked child maps what its parent mapped at the fork, but can say so onl
 connection of its own, made after the fork, while the parent goes on at once: the parent's
 ``P`` of a segment the child still maps could be read first, and the segment be pooled and
 handed out again under the child. So the parent holds them for the child across the fork
-(``manager.before_fork``, a ``before`` fork hook of ``segment.py``, for sharedmp's contexts,
+(``manager.before_fork``, a ``before`` fork hook of ``named.py``, for sharedmp's contexts,
 ``os.fork()`` and anything else that forks through Python): just before the fork it sends a
 token (``K <id>``: one record, whatever it holds) that holds every path it holds, and keeps
 the write end until the fork returns. From its hold until then no thread of the process

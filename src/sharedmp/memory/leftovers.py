@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 from ..host import (ProcStat, fd_targets, have_proc, maps_lines, owner,  # noqa: F401
                     pid_exists, pids, proc_stat)
 from . import daemon
-from .segment import NAME_RE, PREFIX
+from .named import NAME_RE, PREFIX
 
 POOL_RE = re.compile(r"\.sharedmp-pool-(\d+)\Z")   # manager.POOL_DIR's names
 

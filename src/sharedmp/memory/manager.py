@@ -676,13 +676,13 @@ def remove_stale(path):
 # the parent's next records (``P``, ``D``) could reach the daemon first, and a segment the
 # child still maps be pooled and reused by the parent. So the parent holds them for the
 # child across the fork, in one record whatever it maps: just before the fork, with every
-# thread's registration of a segment shut out until the fork returns (``segment.py``), a
+# thread's registration of a segment shut out until the fork returns (``named.py``), a
 # token (``K``) holds every name this client holds; the child inherits its write end,
 # connects, and adopts what it holds (``A``: the daemon ends the token then), less what it
 # does not map (``D``: the parent's pool, and names another thread was still making). The
 # child keeps its copy of the write end, so the token ends without ``A`` only if the child
 # dies. See daemon.py, "Fork".
-_fork_token = -1                        # the write end of the token of the fork under way
+_fork_token: "fds.Fd | None" = None    # the write end of the token of the fork under way
 _fork_parent = 0                        # the pid that made it (a child's parent, in ``A``)
 _adopted: "fds.Fd | None" = None        # (in a forked child) its fork's token, kept
 _unheld: "list[str]" = []               # (in a forked child) names it holds but does not map
@@ -696,25 +696,25 @@ def before_fork() -> None:
     if _sock is None or _dead is not None:
         return
     try:
-        r, w = fds.pipe()
+        r, w = map(fds.Fd, fds.pipe())
     except OSError:
         return
     try:
-        _post(b"K", b"%d" % next(_token_ids), fd=r)
+        _post(b"K", b"%d" % next(_token_ids), fd=r.fd)
     except (ManagerError, OSError):
-        os.close(w)
+        w.close()
         return
     finally:
-        os.close(r)                      # (in the kernel now: _post waited)
+        r.close()                        # (in the kernel now: _post waited)
     _fork_token, _fork_parent = w, os.getpid()
 
 
 @forks.in_parent
 def _after_fork_in_parent() -> None:
     global _fork_token
-    if _fork_token >= 0:
-        os.close(_fork_token)            # the child's copy holds the names now
-        _fork_token = -1
+    if _fork_token is not None:
+        _fork_token.close()              # the child's copy holds the names now
+        _fork_token = None
 
 
 _inherited = False                      # (in a forked child) the parent was a client
@@ -747,12 +747,14 @@ def after_fork_in_child(unheld: "list[str]", mapped: "list[str]") -> None:
     parent held it for the child until now), less ``unheld`` and what ``unheld_in_child`` was
     told. Without a token (the parent could not make one): hold ``mapped`` name by name."""
     global _dead, _fork_token, _adopted
-    w, _fork_token = _fork_token, -1
+    # (the parent's object: its finalizer closes nothing here, so this process owns it anew)
+    w = fds.Fd(_fork_token.take()) if _fork_token is not None else None
+    _fork_token = None
     try:
         if _inherited:
             ensure()
-            if w >= 0:
-                _post_all([(b"A", b"%d %d" % (os.fstat(w).st_ino, _fork_parent))]
+            if w is not None:
+                _post_all([(b"A", b"%d %d" % (os.fstat(w.fd).st_ino, _fork_parent))]
                           + [(b"D", path) for path in {*unheld, *_unheld}])
             else:
                 _post_all([(b"H", path) for path in mapped])
@@ -760,5 +762,4 @@ def after_fork_in_child(unheld: "list[str]", mapped: "list[str]") -> None:
         _dead = _dead or str(e)
     finally:
         _unheld.clear()
-        if w >= 0:
-            _adopted = fds.Fd(w)         # the token ends when the daemon applies ``A``
+        _adopted = w                     # kept: the token ends when the daemon applies ``A``

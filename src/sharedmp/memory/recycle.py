@@ -27,7 +27,7 @@ Named segments (the file_system strategy) cannot be told apart this way: a recei
 opens one by its name, a new OFD each time. The manager daemon counts who holds each name
 and which messages in flight carry it (``daemon.py``), so it is the daemon that tells:
 
-- When the creator's last view goes (``segment.py``), it keeps the mapping here and tells
+- When the creator's last view goes (``named.py``), it keeps the mapping here and tells
   the daemon that it *parks* the segment (``manager.parked``, one record, no answer
   awaited), naming the fresh name ``next`` the segment will have when reused.
 - Once no other process holds it and no message in flight names it, the daemon renames
@@ -166,7 +166,7 @@ def give_named(size, mapping, path, nxt, directory, address, since=None, availab
 def take_named(size, directory, making):
     """(mapping, path, address) of a kept named segment of ``size`` bytes in ``directory``
     that the daemon found free, now at its new path (added to ``making``: see
-    ``segment._making``); or None."""
+    ``named._making``); or None."""
     with _lock:
         if not _entries:
             return None

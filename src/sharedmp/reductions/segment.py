@@ -9,7 +9,7 @@ import os
 from multiprocessing.reduction import DupFd
 
 from .. import wire
-from ..memory import manager, segment
+from ..memory import manager, named, segment
 
 
 def reduce_segment(seg):
@@ -33,14 +33,14 @@ def rebuild_name(name, daemon):
     # sent it to a parent that never needed one): it uses the sender's, which counts the
     # reference in flight.
     manager.adopt(daemon)
-    return segment.attach_name(name)
+    return named.attach_name(name)
 
 
 def rebuild_name_in_band(name):
     # The message's token holds the reference in flight: this process holds the name now.
     # (The token is the message's last fd: named with a new mapping, its reference ends.)
     oob = wire.current()
-    return segment.attach_name(name, consume=False, token=oob.fds[-1] if oob and oob.fds else -1)
+    return named.attach_name(name, consume=False, token=oob.fds[-1] if oob and oob.fds else -1)
 
 
 def rebuild_fd_in_band(index):

@@ -72,7 +72,7 @@ def run_worker(spec, timeout):
 
 def _shm_entries():
     """The paths in /dev/shm and in sharedmp's shared-memory directory ($SHAREDMP_SHM_DIR)."""
-    from ...memory.segment import shm_dir
+    from ...memory.named import shm_dir
     out = set()
     for d in {"/dev/shm", shm_dir()}:
         try:
