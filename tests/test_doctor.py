@@ -3,9 +3,12 @@ import ctypes
 import json
 import mmap
 import os
+import pathlib
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -308,12 +311,14 @@ sys.stdin.read()
 
 
 @linux_only
-def test_what_a_killed_daemon_left_is_shown_and_cleaned(tmp_path):
+def test_what_a_killed_daemon_left_is_shown_and_cleaned(tmp_path, request):
     """A daemon SIGKILLed with its program: its ledger in the shm directory names what it
     left (daemon.py, "Ledgers"); doctor shows it, --clean removes it all."""
-    shm, run = tmp_path / "shm", tmp_path / "run"
+    # (a runtime directory short enough for the daemon's socket: a longer one is passed over)
+    shm = tmp_path / "shm"
+    run = pathlib.Path(tempfile.mkdtemp(prefix="sharedmp-run-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(run, ignore_errors=True))
     shm.mkdir()
-    run.mkdir()
     env = {SHM_DIR_ENV: str(shm), STRATEGY_ENV: "file_system", "SHAREDMP_MANAGER": None,
            "TMPDIR": str(run), "XDG_RUNTIME_DIR": str(run)}
     full_env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}

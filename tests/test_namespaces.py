@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -86,14 +87,15 @@ pytestmark = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
 
 @pytest.fixture
 def dirs(tmp_path):
-    """(shm dir, runtime dir, environment) of a program of its own."""
-    shm, run = tmp_path / "shm", tmp_path / "run"
+    """(shm dir, runtime dir, environment) of a program of its own (the runtime dir short
+    enough for the daemon's socket: a longer one is passed over for /tmp)."""
+    shm, run = tmp_path / "shm", tempfile.mkdtemp(prefix="sharedmp-run-", dir="/tmp")
     shm.mkdir()
-    run.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "SHAREDMP_MANAGER"}
-    env.update(SHAREDMP_SHM_DIR=str(shm), TMPDIR=str(run), XDG_RUNTIME_DIR=str(run),
+    env.update(SHAREDMP_SHM_DIR=str(shm), TMPDIR=run, XDG_RUNTIME_DIR=run,
                SHAREDMP_SHARING_STRATEGY="file_system", SHAREDMP_KEEP_ORPHANS="1")
-    return str(shm), str(run), env
+    yield str(shm), run, env
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def argv(mode, namespace=True):

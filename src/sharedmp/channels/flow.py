@@ -82,14 +82,17 @@ class Carried:
 
 def held(fds: Fds) -> list[Segment]:
     """The segments a message carries that this process maps (the sender's memory while it
-    keeps them), less copies made for the message (counted as flight already). Called
+    keeps them), less copies made for the message (counted as flight already) and arenas
+    (shared by many small arrays, of a few messages or of thousands: counted whole with each
+    message that let one go, a stream of small arrays with no reader yet would stop after two
+    arenas, where the standard library's queue takes thousands). Called
     where the message was pickled: in a queue's feeder, its fds are dups and the arrays
     may be gone."""
     keep = fds.keep
     if len(keep) == 1 and len(fds) == 1:     # an array or a tensor alone (or a copy of one)
         seg = segment.segment_of(keep[0])
         if seg is not None and seg.fd == fds[0]:
-            return [] if fds.flight else [seg]
+            return [] if fds.flight or seg.arena else [seg]
     found: list[Segment] = []
     skip = set()
     for owner in keep:
@@ -110,7 +113,7 @@ def held(fds: Fds) -> list[Segment]:
             seg = _lookup(_by_fd, "fd", fd)
             if seg is not None:
                 found.append(seg)
-    return found
+    return [s for s in found if not s.arena]
 
 
 # fd or path -> the live Segment of this process that it is; refreshed from

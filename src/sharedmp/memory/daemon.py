@@ -921,10 +921,10 @@ class Daemon:
                 client.sock.sendall(b"DONE\n")
             except OSError:
                 pass
-        raise Ended()
+        raise _Ended()
 
 
-class Ended(Exception):
+class _Ended(Exception):
     """The daemon ended at a client's ``E``."""
 
 
@@ -1095,7 +1095,7 @@ def main(argv):
         pass
     try:
         Daemon(listener, path, shm_dir).run()
-    except (KeyboardInterrupt, Ended):
+    except (KeyboardInterrupt, _Ended):
         pass
     return 0
 

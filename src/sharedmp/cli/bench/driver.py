@@ -312,8 +312,15 @@ def _survey_shm(report, shm_before, timed_out):
     report["shm_removed"] = _clean_shm(new) if timed_out and new else []
     # Left behind: new files that no live process maps or holds open (others' files, e.g.
     # of a test suite running meanwhile, are in use and not this run's to report).
-    new = _shm_entries() - shm_before
+    new = {p for p in _shm_entries() - shm_before if os.path.basename(p).startswith(_MADE_BY_RUNS)}
     report["shm_left"] = sorted(new - leftovers.in_use(new) - _of_live_joblib(new))
+
+
+# What the systems the bench runs make in /dev/shm (sharedmp's segments, pool directories and
+# ledgers; torch's; multiprocessing's semaphores and shared_memory; joblib's and loky's): the
+# rest is another program's (a test suite starting meanwhile makes its own directory there).
+_MADE_BY_RUNS = ("sharedmp_", ".sharedmp-", "torch_", "sem.", "psm_", "wnsm_",
+                 "joblib_memmapping_folder_", "loky-")
 
 
 def joblib_maker(name):
