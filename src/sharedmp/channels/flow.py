@@ -168,6 +168,7 @@ class Window:
         self.flight = 0                       # the sum of _tokens' bytes
         self._sent: dict[Segment, _Sent] = {}     # segments sent while held here
         self._last: _Sent | None = None       # of the last message of one segment
+        self._arena: list[str] | None = None  # names of the last message, if it counted none
         self._dropped: collections.deque[_Sent] = collections.deque()  # their ends, to count
         self._lock = threading.Lock()
         fds.own(self, self._tokens)           # the read ends left when the window goes
@@ -192,10 +193,13 @@ class Window:
                                 and owner.paths == ref.paths and ref() is not None):
             ref.cover = self._opened + 1
             return 0
+        if type(owner) is Carried and owner.paths == self._arena:
+            return 0                          # (the arena of the message before)
         segs = held(fds)
         gone = self.register(segs)
         if len(segs) == 1:
             self._last = self._sent.get(segs[0])
+        self._arena = owner.paths if not segs and type(owner) is Carried else None
         return gone
 
     def register(self, segs: list[Segment]) -> int:
