@@ -65,15 +65,3 @@ def send_and_exit(conn, n, nbytes):
     conn.close()
     os._exit(0)
 
-
-
-def send_fresh(chan, n, nbytes, sent, strategy):
-    """Send ``n`` freshly shared arrays of ``nbytes`` (``mp.full``: array i holds i) over
-    ``chan`` (a Connection, or a Queue this process did not create), each dropped as soon as
-    its send returned; count each that returned in ``sent``; then None."""
-    mp.set_sharing_strategy(strategy)
-    send = chan.put if hasattr(chan, "put") else chan.send
-    for i in range(n):
-        send(mp.full(nbytes // 8, i, dtype=np.int64))
-        sent.value = i + 1
-    send(None)

@@ -1,8 +1,7 @@
 """Flow control: a sender is never further ahead of its receivers than its window.
 
 The memory a connection's messages make for the flight (payloads over one record, plain
-arrays copied into shared memory at send), and shared arrays the sender dropped while a
-message carried them, counts until a receiver has taken the message;
+arrays copied into shared memory at send) counts until a receiver has taken the message;
 ``send``/``send_bytes`` (and put() outside the queue's creating process) block once that
 passes ``$SHAREDMP_WINDOW_BYTES``. In the creating process an unbounded Queue's put()
 never blocks: its feeder waits. Every wait here is bounded; children are killed by the
@@ -10,9 +9,7 @@ leak fixture if a test fails.
 """
 import json
 import os
-import queue
 import sys
-import threading
 import time
 
 import numpy as np
@@ -168,114 +165,6 @@ def test_a_fast_producer_stays_within_its_window_of_a_slow_consumer(window):
           f"reader for a window of {limit // MiB} MiB; the producer grew by {grown / MiB:.0f} MiB")
     assert ahead * size <= limit + limit // 8 + size, (ahead, limit // MiB)
     assert grown < 32 * MiB, grown / MiB
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("channel", ["Pipe", "Queue"])
-def test_freshly_shared_arrays_the_sender_drops_count_against_its_window(window, channel,
-                                                                        sharing_strategy):
-    # Issue 46: ``put(mp.full(...))`` in a loop. Once the sender has dropped an array, the
-    # message alone keeps its memory alive: it counts until taken, as a copy of a plain
-    # array does. (Without this the producer ran 60 messages ahead, all it had.)
-    limit = window(16 * MiB)
-    size, n = 2 * MiB, 60
-    ctx = mp.get_context("spawn")
-    if channel == "Pipe":
-        r, w = ctx.Pipe(duplex=False)
-        chan, get = w, r.recv
-    else:
-        q = ctx.Queue()                          # put() in the child: the window applies there
-        chan, get = q, lambda: q.get(timeout=TIMEOUT)
-    sent = ctx.Value("q", 0)
-    p = ctx.Process(target=fw.send_fresh, args=(chan, n, size, sent, sharing_strategy))
-    p.start()
-    if channel == "Pipe":
-        w.close()
-    ahead, received = 0, 0
-    try:
-        while True:
-            a = get()
-            if a is None:
-                break
-            assert int(a[0]) == received and int(a[-1]) == received
-            received += 1
-            del a
-            time.sleep(0.02)                     # the slow consumer
-            # Counted, as in the test above: the messages sent and not yet received, and the
-            # one being sent.
-            ahead = max(ahead, sent.value + 1 - received)
-        assert join_or_kill(p) == 0
-    finally:
-        p.kill()
-        r.close() if channel == "Pipe" else q.close()
-    assert received == n
-    print(f"{channel}, {sharing_strategy}: at worst {ahead} messages of {size // MiB} MiB ahead "
-          f"of the reader for a window of {limit // MiB} MiB")
-    # A message counts from when the sender drops its array (after its send returned): one
-    # message more than plain arrays, which count at once; at most a step goes uncounted.
-    assert ahead * size <= limit + limit // 8 + 2 * size, (ahead, limit // MiB)
-
-
-def _in_thread(fn, *args):
-    """Run ``fn(*args)`` in a thread; whether it returned within TIMEOUT (else it is left
-    blocked: a daemon thread, ended with the channel it waits on)."""
-    t = threading.Thread(target=fn, args=args, daemon=True)
-    t.start()
-    t.join(TIMEOUT)
-    return not t.is_alive()
-
-
-def _send_each(conn, messages, times):
-    for _ in range(times):
-        for m in messages:
-            conn.send(m)
-
-
-def _recv_into(conn, n, got):
-    got.extend(conn.recv() for _ in range(n))
-
-
-def test_a_shared_array_the_sender_keeps_never_blocks_however_often_it_is_sent(window,
-                                                                               sharing_strategy):
-    # Hogwild's weights, sent to every worker: the sender's own memory, never flight.
-    window(4 * MiB)
-    r, w = mp.Pipe(duplex=False)
-    weights = mp.zeros(16 * MiB // 8)            # 4 windows' worth, kept
-    messages = [weights, (1, mp.zeros(16 * MiB // 8))]  # alone, and in a pickled message
-    assert _in_thread(_send_each, w, messages, 50), "a send of an array the sender keeps blocked"
-    assert w._window.room(0)
-    # Dropped while messages that carry them are unread: those messages alone keep them now.
-    del weights, messages
-    assert not w._window.room(0)
-    got: list = []
-    reader = threading.Thread(target=_recv_into, args=(r, 101, got), daemon=True)
-    reader.start()
-    assert _in_thread(w.send, np.zeros(10))      # waits until they are taken
-    reader.join(TIMEOUT)
-    assert len(got) == 101 and all(np.shares_memory(g, got[0]) for g in got[:100:2])
-    del got
-    r.close()
-    w.close()
-
-
-@pytest.mark.parametrize("fresh", [False, True])
-def test_put_with_a_timeout_on_a_full_queue_raises_full_and_counts_nothing(window, fresh):
-    window(4 * MiB)
-    q = mp.get_context("spawn").Queue(maxsize=1)
-    make = (lambda i: mp.full(MiB, i, dtype=np.int64)) if fresh else \
-        (lambda i: np.full(MiB, i, dtype=np.int64))
-    q.put(make(0))
-    start = time.monotonic()
-    with pytest.raises(queue.Full):
-        q.put(make(1), timeout=0.2)
-    assert 0.15 < time.monotonic() - start < TIMEOUT
-    with pytest.raises(queue.Full):
-        q.put_nowait(make(2))
-    assert int(q.get(timeout=TIMEOUT)[0]) == 0
-    q.put(make(3), timeout=TIMEOUT)              # the refused ones left nothing behind
-    assert int(q.get(timeout=TIMEOUT)[0]) == 3
-    q.close()
-    q.join_thread()
 
 
 @pytest.mark.timeout(180)

@@ -206,9 +206,7 @@ def _make_send_and_hang(outbox, w):
 
 
 @linux_only
-def test_a_killed_sender_leaves_nothing(fs, monkeypatch):
-    # (6 fresh 2 MiB arrays put before anything is read: more than the default window)
-    monkeypatch.setenv("SHAREDMP_WINDOW_BYTES", str(1 << 30))
+def test_a_killed_sender_leaves_nothing(fs):
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
     r, w = ctx.Pipe(duplex=False)

@@ -32,8 +32,6 @@ from . import fdpass, flow
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
-    from ..memory.segment import Segment
-
 SOCKET_BUFFER = 1 << 20   # asked of the kernel; it caps this at net.core.{w,r}mem_max
 
 # A receiver that finds nothing to read looks again for up to SPIN seconds, yielding the CPU
@@ -74,17 +72,6 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-class _Tokens(manager.Tokens):
-    """A channel end's manager tokens; what keeps one open for a message also names the
-    segments the message carries, for flow control (``flow.held``)."""
-
-    __slots__ = ()
-
-    def carry(self, paths: list[str]) -> tuple[int, object]:
-        fd, token = super().carry(paths)
-        return fd, flow.Carried(token, fd, paths)
-
-
 class Connection:
     """One end of a sharedmp Pipe; the API of multiprocessing.connection.Connection."""
 
@@ -96,7 +83,7 @@ class Connection:
         sock.settimeout(None)
         self._sock: socket.socket | None = sock
         self._poller: select.poll | None = None
-        self._tokens = _Tokens()            # of the named segments its messages carry
+        self._tokens = manager.Tokens()     # of the named segments its messages carry
         self._window: flow.Window | None = None
         self._readable = readable
         self._writable = writable
@@ -159,12 +146,9 @@ class Connection:
         return dumps(obj, self._tokens)
 
     def send_packed(self, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0,
-                    flight: int | None = None, held: list[Segment] | None = None) -> None:
-        """Send a packed message, waiting while the socket is full or the window passed.
-        ``held``: ``flow.held(fds)``, taken where it was packed (default: ``fds`` are the
-        message's own, and this is that thread)."""
-        fdpass.send_frame(self._check(write=True), payload, fds, flags, self.window(), flight,
-                          held)
+                    flight: int | None = None) -> None:
+        """Send a packed message, waiting while the socket is full or the window passed."""
+        fdpass.send_frame(self._check(write=True), payload, fds, flags, self.window(), flight)
 
     def try_send_packed(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> bool:
         """Send it now if that needs no wait; False, with nothing sent, otherwise."""

@@ -21,7 +21,6 @@ from ..wire import Fds, OutOfBand, close_all, current, swap  # noqa: F401 (used 
 
 if TYPE_CHECKING:
     from .flow import Window
-    from ..memory.segment import Segment
     from _typeshed import ReadableBuffer
 
 # ---------------------------------------------------------------------------------------
@@ -99,22 +98,15 @@ def _sendmsg(sock, buffers, fds, block=True):
 
 def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (),
                flags: int = 0, window: Window | None = None,
-               flight: int | None = None, held: list[Segment] | None = None) -> None:
+               flight: int | None = None) -> None:
     """Send one frame as one record (blocking while the socket is full), then, with a
     ``window``, while the flight of its messages passes it. ``flight``: the bytes this
-    message copied into shared memory (default: ``fds.flight``); ``held``: the segments
-    of the sender's that it carries (``flow.held``; default: found in ``fds`` now)."""
+    message copied into shared memory (default: ``fds.flight``)."""
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     nfds, length = len(fds), len(payload)
     if flight is None:
         flight = getattr(fds, "flight", 0)
-    if window is not None:
-        if held is None:
-            if nfds:
-                flight += window.carried(fds)  # type: ignore[arg-type]
-        elif held:
-            flight += window.register(held)
     extra = []                        # the record's own fds, after the message's
     if length > RECORD - HEADER.size:
         # Carved from this process's arenas (or a segment of its own when large): warm memory
@@ -163,8 +155,6 @@ def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), f
     if window is not None:
         if not window.room(flight):
             return False
-        if nfds:                      # (after: a message that waits is registered as it is sent)
-            flight += window.carried(fds)  # type: ignore[arg-type]
         pair = window.open(flight)
         if pair is not None:
             fds, flags = [*fds, pair[1]], flags | FLIGHT_TOKEN

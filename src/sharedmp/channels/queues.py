@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
 from .. import _compat, forks
 from .. import fds as _fds
 from ..wire import loads
-from . import fdpass, flow
+from . import fdpass
 from .connection import Pipe
 
 if TYPE_CHECKING:
@@ -248,15 +248,13 @@ class Queue:
         # otherwise through the feeder, in order. Saves a thread hand-off per message.
         if not self._buffer and self._writer.try_send_packed(payload, fds, flags):
             return
-        # (found here: the feeder has dups of the fds, and the arrays may die before it sends)
-        held = flow.held(fds) if fds else []
-        taken = self._held.take(fds)
+        held = self._held.take(fds)             # the arrays may die before the feeder sends
         with self._notempty:
             if self._thread is None:
                 self._start_thread()
             # ``fds.keep`` too: the token of a file_system message, which the messages waiting
             # here share (one fd for all of them), lives as long as one of them waits.
-            self._buffer.append((payload, taken, flags, fds.keep, fds.flight, held))
+            self._buffer.append((payload, held, flags, fds.keep, fds.flight))
             self._notempty.notify()
 
     def put_nowait(self, obj: Any) -> None:
@@ -349,12 +347,11 @@ class Queue:
                 reader.close()
                 writer.close()
                 return
-            payload, taken, flags, _, flight, segs = item
+            payload, taken, flags, _, flight = item
             try:
                 # (waits here, not in put(), while the window is full: as multiprocessing's
                 # feeder waits on a full pipe)
-                writer.send_packed(payload, [entry[0].fd for entry in taken], flags, flight,
-                                   segs)
+                writer.send_packed(payload, [entry[0].fd for entry in taken], flags, flight)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return

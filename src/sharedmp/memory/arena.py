@@ -103,7 +103,6 @@ def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping,
                 named.abandon(arena.seg)            # parked once no array uses it
             seg, mapping = (named.create(ARENA_SIZE, zero=False, revivable=True)
                             if kind == "file_system" else segment.create(ARENA_SIZE, zero=False))
-            seg.arena = True
             arena = _current[kind] = _Arena(kind, where, seg, mapping)
         offset = arena.used
         arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)

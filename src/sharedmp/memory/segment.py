@@ -66,7 +66,7 @@ class Segment:
 
     __slots__ = ("kind", "key", "size", "fd", "name", "path", "address", "owner_pid", "mapping",
                  "recycle", "dirty", "hot", "idle_since", "revivable", "carved", "pending",
-                 "arena", "__weakref__")
+                 "__weakref__")
 
     def __init__(self, kind: str, key: Any, size: int, fd: int, name: str | None,
                  mm: SegmentMapping, owner: bool, path: str | None = None,
@@ -92,7 +92,6 @@ class Segment:
         self.revivable = False    # named, made here: an arena, revived after its lease went
         self.carved = 0.0         # (revivable) monotonic time of the last carve
         self.pending = False      # (revivable) its lease went, not parked yet: ``revive``
-        self.arena = False        # small arrays are carved from it (arena.py)
 
     def __repr__(self) -> str:
         return f"<Segment {self.kind} {self.name or self.key} {self.size} bytes>"
