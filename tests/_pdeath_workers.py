@@ -1,14 +1,17 @@
 """A starting process for test_pdeath_forkserver.py and what its child runs.
 
-    python -c "import _pdeath_workers as w; w.main()" DIR METHOD CHILD STARTER
+    python -c "import _pdeath_workers as w; w.main()" DIR METHOD CHILD STARTER [FROM]
         Start one child by METHOD (a sharedmp context) that does CHILD once running:
         "sleep", "closerange" (closes every fd above 2, then sleeps) or "exec" (execs a
-        Python that sleeps); the child writes DIR/child.pid when it has. Then this process
-        waits for DIR/go (the test has seen its tree) and does STARTER: "sleep", or "exec"
-        (execs a Python that writes DIR/starter.exec and sleeps). The test SIGKILLs it.
+        Python that sleeps); the child writes DIR/child.pid when it has. FROM: "main" (the
+        default), or "thread": started from a thread, joined (ended) before anything else.
+        Then this process writes DIR/started (how many threads it has left), waits for
+        DIR/go (the test has seen its tree) and does STARTER: "sleep", or "exec" (execs a
+        Python that writes DIR/starter.exec and sleeps). The test SIGKILLs it.
 """
 import os
 import sys
+import threading
 import time
 
 import sharedmp as mp
@@ -43,7 +46,15 @@ def child(where, what):
 
 def main():
     where, method, what, starter = sys.argv[1:5]
-    mp.get_context(method).Process(target=child, args=(where, what), daemon=True).start()
+    p = mp.get_context(method).Process(target=child, args=(where, what), daemon=True)
+    if sys.argv[5:] == ["thread"]:
+        t = threading.Thread(target=p.start)
+        t.start()
+        t.join(60)
+        assert not t.is_alive()
+    else:
+        p.start()
+    write_file(os.path.join(where, "started"), str(threading.active_count()))
     deadline = time.monotonic() + 60
     while not os.path.exists(os.path.join(where, "go")):
         if time.monotonic() > deadline:

@@ -180,3 +180,31 @@ def drop_inherited_cycle(q):
     INHERITED = None
     found = gc.collect()
     q.put((found, os.getpid() in Cycle.finalized))
+
+
+def pool_then_fork(library, method):
+    """(run as a fresh program) A Pool of ``library`` ("sharedmp" or the standard
+    "multiprocessing") by ``method`` whose handler thread started replacement workers
+    (maxtasksperchild=1), closed and joined; then os.fork(). Prints as JSON the threads left
+    before the fork, how many workers ran, and what the fork warned."""
+    import json
+    import multiprocessing
+    import threading
+    import warnings
+    ctx = (mp if library == "sharedmp" else multiprocessing).get_context(method)
+    pool = ctx.Pool(2, maxtasksperchild=1)
+    try:
+        pids = {pid for _, pid in pool.map_async(square, range(6), chunksize=1).get(LONG)}
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
+    threads = [t.name for t in threading.enumerate()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+    print(json.dumps({"threads": threads, "workers": len(pids),
+                      "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}))

@@ -1,6 +1,8 @@
 """A forkserver child follows the process that started it as a spawn child does: killed when
 that process dies, whatever the child did with its fds or by exec; alive on when that process
-execs (the same process), and killed when the program it became dies.
+execs (the same process), and killed when the program it became dies. So does a child of
+any start method started from a thread other than the main one (the watcher, not the
+kernel's parent-death signal, which follows the thread), once that thread has ended.
 
 Each test runs a real starting process (``_pdeath_workers.py``) and SIGKILLs it; what is
 left of its tree is found through /proc and killed by pid (with its start time, so that a
@@ -78,14 +80,19 @@ def errors(where):
         return f.read()[-3000:]
 
 
-def start(where, method, child, starter):
-    """The starting process, once its child runs (and has done ``child``): (Popen, child pid)."""
+def start(where, method, child, starter, start_from="main"):
+    """The starting process, once its child runs (and has done ``child``) and the thread
+    that started it has ended: (Popen, child pid)."""
     env = dict(os.environ)
     env.pop(pdeath.ENV, None)
     with open(os.path.join(where, "starter.err"), "w") as err:
-        proc = subprocess.Popen([sys.executable, "-c", DRIVE, where, method, child, starter],
+        proc = subprocess.Popen([sys.executable, "-c", DRIVE, where, method, child, starter,
+                                 start_from],
                                 env=env, cwd=HERE, stdout=subprocess.DEVNULL, stderr=err)
-    return proc, read_when_there(os.path.join(where, "child.pid"), proc, where)
+    pid = read_when_there(os.path.join(where, "child.pid"), proc, where)
+    threads = read_when_there(os.path.join(where, "started"), proc, where)
+    assert threads == 1, f"the starter has {threads} threads: sharedmp left one"
+    return proc, pid
 
 
 def sigkill(proc):
@@ -127,6 +134,30 @@ def test_child_lives_on_when_its_starter_execs_and_dies_with_what_it_became(tmp_
         sigkill(proc)
         left = wait_gone(tree, 5)
         assert not left, f"alive 5 s after the exec'd starter was SIGKILLed: {left} (child {pid})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(TIMEOUT)
+        kill_all(tree)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("child", ["sleep", "closerange", "exec"])
+def test_child_started_from_an_ended_thread_dies_with_its_starter(tmp_path, method, child):
+    # The thread that started the child is joined before the starter is killed: the kernel's
+    # parent-death signal would have followed that thread; the watcher follows the process.
+    where = str(tmp_path)
+    proc, pid = start(where, method, child, "sleep", start_from="thread")
+    tree = {}
+    try:
+        tree = descendants(proc.pid)
+        open(os.path.join(where, "go"), "w").close()
+        assert pid in tree
+        time.sleep(0.2)                 # a signal sent at the thread's end would have landed
+        assert alive({pid: tree[pid]}) == [pid], "the child died with the thread that started it"
+        sigkill(proc)
+        left = wait_gone(tree, 5)
+        assert not left, f"alive 5 s after the starter was SIGKILLed: {left} (the child: {pid})"
     finally:
         if proc.poll() is None:
             proc.kill()

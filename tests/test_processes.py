@@ -65,6 +65,19 @@ def wait_gone(procs, timeout):
     return left
 
 
+def watchers(procs):
+    """The pids among ``procs`` that are pdeath's watcher (by its program's text)."""
+    out = []
+    for pid in procs:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"pidfd_send_signal" in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
 def kill_all(procs):
     for pid in alive(procs):
         try:
@@ -105,7 +118,8 @@ def driver_errors(where):
 def run_tree(where, keep_orphans):
     """Start the driver's tree, wait until every child runs, SIGKILL the driver.
 
-    Returns ({pid: start time} of the whole tree below the driver, the children's pids).
+    Returns ({pid: start time} of the whole tree below the driver, the children's pids,
+    the pids of the driver's watchers before the kill).
     """
     driver = start_driver(where, "tree", keep_orphans=keep_orphans)
     tree = {}
@@ -121,9 +135,10 @@ def run_tree(where, keep_orphans):
         assert set(children) <= set(tree)
         # Children started from threads that have ended are still alive.
         assert sorted(alive({p: tree[p] for p in children})) == children
+        watching = watchers(tree)
         os.kill(driver.pid, signal.SIGKILL)
         assert driver.wait(TIMEOUT) == -signal.SIGKILL
-        return tree, children
+        return tree, children, watching
     except BaseException:
         kill_all(tree)
         raise
@@ -137,8 +152,10 @@ def run_tree(where, keep_orphans):
 
 @pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
 def test_sigkilled_main_process_leaves_no_child(tmp_path):
-    tree, children = run_tree(str(tmp_path), keep_orphans=False)
+    tree, children, watching = run_tree(str(tmp_path), keep_orphans=False)
     try:
+        # one watcher, for the children started by the fork server or from other threads
+        assert len(watching) == 1, watching
         left = wait_gone(tree, 2)
         assert not left, f"alive 2 s after the main process was SIGKILLed: {left} (children {children})"
     finally:
@@ -147,8 +164,9 @@ def test_sigkilled_main_process_leaves_no_child(tmp_path):
 
 @pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
 def test_keep_orphans_lets_children_outlive_the_parent(tmp_path):
-    tree, children = run_tree(str(tmp_path), keep_orphans=True)
+    tree, children, watching = run_tree(str(tmp_path), keep_orphans=True)
     try:
+        assert watching == []
         time.sleep(1.0)       # the signal comes within milliseconds when it comes
         assert sorted(alive({p: tree[p] for p in children})) == children
     finally:
@@ -156,10 +174,11 @@ def test_keep_orphans_lets_children_outlive_the_parent(tmp_path):
 
 
 @pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="PR_SET_PDEATHSIG is Linux only")
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_child_whose_parent_died_before_it_armed_never_runs(tmp_path, method):
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+@pytest.mark.parametrize("start_from", ["main", "thread"])      # prctl, or the watcher
+def test_child_whose_parent_died_before_it_armed_never_runs(tmp_path, method, start_from):
     where = str(tmp_path)
-    driver = start_driver(where, "early", method)
+    driver = start_driver(where, "early", method, *(["thread"] if start_from == "thread" else []))
     try:
         assert driver.wait(TIMEOUT) == -signal.SIGKILL, driver_errors(where)
     finally:
@@ -211,7 +230,7 @@ def test_forkserver_child_outlives_a_killed_fork_server():
         join_or_kill(p)
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_child_started_from_a_thread_outlives_that_thread(method):
     ctx = mp.get_context(method)
     go = ctx.Event()
@@ -275,6 +294,28 @@ def test_pool_replacement_workers_survive_the_handler_thread(method, tasks):
         assert [p.exitcode for p in pool._pool] == [0, 0]
     finally:
         pool.terminate()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_no_thread_is_left_after_a_pool_that_replaced_workers(method):
+    # A Pool's handler thread starts the replacement workers (maxtasksperchild=1): no thread
+    # of sharedmp's outlives the pool, so the process is single-threaded again after
+    # close()/join(), as with the standard library, and os.fork() there is not the
+    # multi-threaded fork that Python 3.12+ warns of (3.10, 3.11: no such warning, the
+    # threads tell). A fresh program: this one has the test runner's threads.
+    results = {}
+    for library in ("multiprocessing", "sharedmp"):
+        code, out, err = run_bounded(
+            [sys.executable, "-c", "import sys, _process_workers as w; w.pool_then_fork(*sys.argv[1:])",
+             library, method], cwd=HERE, what=f"a {library} pool")
+        assert code == 0, err[-3000:]
+        results[library] = json.loads(out.splitlines()[-1])
+    ours = results["sharedmp"]
+    assert ours["workers"] == 6                          # 4 started by the handler thread
+    assert ours["threads"] == ["MainThread"], ours
+    forks = [w for w in ours["warnings"] if "fork" in w]
+    assert not forks, forks
+    assert ours == {**results["multiprocessing"], "workers": ours["workers"]}
 
 
 def test_keep_orphans_rejects_unknown_values(monkeypatch):
@@ -366,14 +407,9 @@ def test_stopping_the_others_is_logged_as_torch_logs_it(tmp_path, caplog):
 
 def test_forkserver_children_start_in_parallel_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv(mp.ENV_VAR_PARALLEL_START, "1")
-    starters = []
-    real = pdeath._start_on_lasting_thread
-    monkeypatch.setattr(pdeath, "_start_on_lasting_thread",
-                        lambda start: starters.append(1) or real(start))
     out = mp.zeros(4, dtype=np.int64)
     mp.start_processes(w.fill_index, args=(out,), nprocs=4, start_method="forkserver")
     assert list(out) == [1, 2, 3, 4]       # every index ran, with its own index
-    assert starters == []                  # started from the pool's threads, not serialised
 
 
 def test_join_timeout_false_while_running_then_true(tmp_path):
@@ -481,7 +517,7 @@ def test_fork_while_other_threads_hold_every_sharedmp_lock():
     locks = _module_locks()
     names = {f"{m}.{a}" for m, a in locks}
     expected = {"sharedmp.memory.segment._lock", "sharedmp.memory.arena._lock",
-                "sharedmp.processes.pdeath._starter_lock"}
+                "sharedmp.processes.pdeath._watch_lock"}
     if torch is not None:
         expected.add("sharedmp.reductions.torch.storage._lock")
     assert expected <= names
@@ -513,7 +549,7 @@ def test_fork_while_other_threads_hold_every_sharedmp_lock():
                 if not t.is_shared():
                     return False
             return (a.sum() == 1000
-                    and pdeath._start_on_lasting_thread(lambda: 42) == 42)   # a new starter
+                    and pdeath._watch is None and pdeath._watcher() is not None)  # its own
 
         assert fork_and_wait(child) == 0
     finally:
