@@ -1,7 +1,7 @@
 """CPython's own multiprocessing tests, with sharedmp's objects in place of the standard ones.
 
     python tests/_cpython_suite.py [--start-method spawn|fork|forkserver] [--stdlib] [-k PATTERN]
-    python tests/_cpython_suite.py --futures [--stdlib] [-k PATTERN]
+    python tests/_cpython_suite.py --futures [--start-method M] [--stdlib] [-k PATTERN]
 
 The first form runs every process-based class of ``test/_test_multiprocessing.py``, the
 module the interpreter ships (nothing of it is copied here): its "processes" flavour
@@ -56,6 +56,14 @@ def sharedmp_as_multiprocessing():
     for name in sharedmp.__all__:
         if hasattr(multiprocessing, name):
             setattr(proxy, name, getattr(sharedmp, name))
+
+    def submodule(name):                 # (``multiprocessing.forkserver`` imported later)
+        import importlib
+        try:
+            return importlib.import_module(f"multiprocessing.{name}")
+        except ImportError:
+            raise AttributeError(f"module 'multiprocessing' has no attribute {name!r}") from None
+    proxy.__getattr__ = submodule
     return proxy
 
 
@@ -107,8 +115,9 @@ def cpython_hangs(version=sys.version_info):
     return found
 
 
-def install_futures(stdlib):
-    """test_concurrent_futures' process-pool classes (a package from 3.12 on)."""
+def install_futures(stdlib, start_method=None):
+    """test_concurrent_futures' process-pool classes (a package from 3.12 on), those of one
+    start method if given."""
     import importlib
     import pkgutil
     import test.test_concurrent_futures as pkg
@@ -124,7 +133,8 @@ def install_futures(stdlib):
         if info.name.startswith("test_"):
             mod = importlib.import_module(f"{pkg.__name__}.{info.name}")
             for name, obj in vars(mod).items():
-                if isinstance(obj, type) and issubclass(obj, tuple(mixins)):
+                if isinstance(obj, type) and issubclass(obj, tuple(
+                        m for m, method in mixins.items() if start_method in (None, method))):
                     keep[f"{info.name}.{name}"] = obj
                     for test, reason in cpython_hangs().items():
                         if hasattr(obj, test):
@@ -137,7 +147,8 @@ def install_futures(stdlib):
 # the deliberate differences, it installs nothing.)
 if __name__ == "__mp_main__":
     if os.environ.get("CPYTHON_SUITE_FUTURES") == "1":
-        install_futures(os.environ.get("CPYTHON_SUITE_STDLIB") == "1")
+        install_futures(os.environ.get("CPYTHON_SUITE_STDLIB") == "1",
+                        os.environ.get("CPYTHON_SUITE_START_METHOD") or None)
     else:
         install(os.environ.get("CPYTHON_SUITE_STDLIB") == "1",
                 os.environ.get("CPYTHON_SUITE_START_METHOD", "spawn"))
@@ -163,7 +174,8 @@ class _TimedResult(unittest.TextTestResult):
 
 def _settings(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--start-method", default="spawn", choices=["spawn", "fork", "forkserver"])
+    p.add_argument("--start-method", choices=["spawn", "fork", "forkserver"],
+                   help="default: spawn; with --futures, all three")
     p.add_argument("--futures", action="store_true", help="test_concurrent_futures' process pools")
     p.add_argument("--stdlib", action="store_true", help="the standard library's objects")
     p.add_argument("-k", dest="pattern", help="run only tests whose name contains this")
@@ -176,12 +188,13 @@ def _settings(argv):
 
 def main(argv):
     args = _settings(argv)
-    os.environ["CPYTHON_SUITE_START_METHOD"] = args.start_method
+    os.environ["CPYTHON_SUITE_START_METHOD"] = args.start_method or ""
     os.environ["CPYTHON_SUITE_STDLIB"] = "1" if args.stdlib else "0"
     os.environ["CPYTHON_SUITE_FUTURES"] = "1" if args.futures else "0"
     if args.futures:
-        classes, set_up, tear_down = install_futures(args.stdlib)
+        classes, set_up, tear_down = install_futures(args.stdlib, args.start_method)
     else:
+        args.start_method = args.start_method or "spawn"
         classes, set_up, tear_down = install(args.stdlib, args.start_method)
     loader = unittest.TestLoader()
     if args.pattern:
@@ -206,7 +219,8 @@ def main(argv):
     skipped = {t.id().rsplit(".", 1)[-1] for t, _ in result.skipped}
     print("\nRESULT " + json.dumps({          # (some suites print timings without a newline)
         "system": "stdlib" if args.stdlib else "sharedmp",
-        "suite": "futures" if args.futures else args.start_method,
+        "suite": (f"futures {args.start_method or ''}".strip() if args.futures
+                  else args.start_method),
         "run": result.testsRun, "failed": failed, "skipped": len(result.skipped),
         "unexpected": unexpected,
         # deliberate differences that ran and passed: the docs' table is stale

@@ -60,7 +60,7 @@ def _public(cls):
 
 def test_processes_have_the_public_methods_of_this_pythons(start_method):
     """No more, no fewer than the standard Process of the running Python: 3.14's interrupt()
-    (SIGINT, through the standard Popen) comes by inheritance; 3.10-3.13 have none."""
+    (SIGINT, through the standard Popen) comes by inheritance; 3.11-3.13 have none."""
     ctx, std = mp.get_context(start_method), multiprocessing.get_context(start_method)
     assert _public(ctx.Process) == _public(std.Process)
     assert _public(mp.Process) == _public(multiprocessing.Process)

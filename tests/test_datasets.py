@@ -456,9 +456,11 @@ def test_a_child_reads_without_copying(fork_or_spawn):
     print(f"child's growth reading {n} records ({fork_or_spawn}): SharedList of "
           f"{shared.nbytes >> 10} KiB: {mine}; list: {plain}")
     assert mine["pss"] < 0.75 * shared.nbytes, (mine, shared.nbytes)
-    assert mine["pss"] < plain["pss"] / 2, (mine, plain)
+    # (fork: the plain list's Pss grows by half of the pages its reads copy, those pages
+    # having been shared with the parent before: against what it copied)
+    assert mine["pss"] < plain["private_dirty"] / 2, (mine, plain)
     assert mine["private_dirty"] < 4 << 20, mine
-    assert plain["private_dirty"] > 2 * shared.nbytes, plain
+    assert plain["private_dirty"] > shared.nbytes, plain    # (3.14 fork: 1.6x, 3.11: > 2x)
 
 
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])

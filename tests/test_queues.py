@@ -198,7 +198,7 @@ def test_close_without_put():
 def test_empty_after_close_as_multiprocessing(kind, used):
     """multiprocessing's close() is a no-op before the first put(): empty() is still True;
     after a put() (the feeder ended by join_thread) empty() raises OSError "is closed".
-    3.10 to 3.13 alike; CPython 3.13's test_closed_queue_empty_exceptions checks it."""
+    3.11 to 3.15 alike; CPython 3.13's test_closed_queue_empty_exceptions checks it."""
     q = make(kind)
     if used == "directly":
         q.put("x")

@@ -78,10 +78,10 @@ def check_versions():
     checks = []
     checks.append(Check("platform", OK, f"{platform.platform()} ({platform.machine()})"))
     py = sys.version_info
-    checks.append(Check("python", OK if py >= (3, 10) else FAIL,
+    checks.append(Check("python", OK if py >= (3, 11) else FAIL,
                         f"{platform.python_version()} ({platform.python_implementation()}, "
                         f"{sys.executable})",
-                        None if py >= (3, 10) else "sharedmp needs Python >= 3.10"))
+                        None if py >= (3, 11) else "sharedmp needs Python >= 3.11"))
     np_ok = _version_tuple(np.__version__) >= (1, 24)
     checks.append(Check("numpy", OK if np_ok else WARN, np.__version__,
                         None if np_ok else

@@ -91,7 +91,7 @@ def _preload_in_fork_server() -> None:
     modules = _compat.forkserver_preload()
     if modules is not None and not set(FORKSERVER_PRELOAD) <= set(modules):
         missing = [m for m in FORKSERVER_PRELOAD if m not in modules]
-        multiprocessing.set_forkserver_preload(modules + missing)
+        _compat.set_forkserver_preload(modules + missing)
 
 
 class _FreezeInherited(_compat.ChildStart):
