@@ -2,7 +2,7 @@
 the standard library's, on the interpreter that runs this: one row of docs/reference.md's
 table per suite and system ("CPython's suites, Python by Python").
 
-    .venv/bin/python scripts/cpython_table.py        # every start method, futures (3.12+), both
+    .venv/bin/python scripts/cpython_table.py [sharedmp|stdlib]   # every start method, futures
     .venv-3.13/bin/python scripts/cpython_table.py   # (made by PYTHON=3.13 ./dev test)
     scripts/sid-python run .venv-3.14/bin/python scripts/cpython_table.py   # 3.14, 3.15: in sid
 
@@ -37,6 +37,7 @@ def run(args):
 
 
 def main():
+    systems = sys.argv[1:] or ["sharedmp", "stdlib"]     # (or one of them)
     version = ".".join(map(str, sys.version_info[:3]))
     methods = [m for m in ("fork", "spawn", "forkserver")
                if m in multiprocessing.get_all_start_methods()]
@@ -50,7 +51,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for method in methods:
         for suite in (["multiprocessing"] + ["concurrent.futures"] * futures):
-            for system in ("sharedmp", "stdlib"):
+            for system in systems:
                 args = (["--start-method", method] + ["--futures"] * (suite != "multiprocessing")
                         + ["--stdlib"] * (system == "stdlib"))
                 result, seconds = run(args)

@@ -26,6 +26,7 @@ NEEDS_TORCH = {"sharedmp.training", "sharedmp.distributed"}
 API_DUNDERS = {"__init__", "__call__", "__enter__", "__exit__"}
 
 
+@pytest.mark.slow        # (.ci/run: 3.11 only; mypy checks as 3.11 whichever Python runs it)
 @pytest.mark.timeout(600)
 def test_mypy_passes():
     """`python -m mypy` from the repository root (its first run over torch's stubs takes a while)."""
