@@ -1,7 +1,8 @@
 """What Python 3.14 added to multiprocessing and concurrent.futures, with sharedmp's objects as
 with the standard library's: ``Process.interrupt()``, ``ProcessPoolExecutor.terminate_workers()``
 and ``kill_workers()``, ``Executor.map(..., buffersize=)``, and the default start method (3.14:
-forkserver on Linux) followed by sharedmp's default context. Each case runs with both, in the
+forkserver on Linux) followed by sharedmp's default context; 3.15's
+``set_forkserver_preload(..., on_error=)`` kept when sharedmp adds its modules. Each case runs with both, in the
 same test, and must come out the same. Every wait is bounded; children are killed on failure.
 """
 import concurrent.futures
@@ -129,3 +130,19 @@ def test_the_default_context_follows_the_interpreters_default_start_method():
     assert (total, shared) == (20_000.0, True)
     if sys.platform == "linux":
         assert ours == "forkserver"
+
+
+@pytest.mark.skipif(sys.version_info < (3, 15), reason="Python 3.15's on_error")
+def test_sharedmps_forkserver_preload_keeps_the_programs_on_error():
+    code = ("import multiprocessing, multiprocessing.forkserver as fs, sharedmp as mp, json\n"
+            "if __name__ == '__main__':\n"
+            "    multiprocessing.set_forkserver_preload(['json'], on_error='warn')\n"
+            "    p = mp.get_context('forkserver').Process(target=json.dumps, args=(1,))\n"
+            "    p.start(); p.join(60)\n"
+            "    print(json.dumps([p.exitcode, fs._forkserver._preload_modules, "
+            "fs._forkserver._preload_on_error]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=TIMEOUT, check=True).stdout
+    exitcode, modules, on_error = json.loads(out)
+    assert exitcode == 0 and on_error == "warn", out
+    assert modules[0] == "json" and "sharedmp" in modules, out
