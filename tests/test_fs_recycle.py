@@ -330,10 +330,12 @@ def test_the_pool_is_released_when_idle_and_by_empty_cache(fs, monkeypatch):
     assert recycle.kept()[0] == 3
     assert eventually(lambda: len(pooled(fs)) == 3)
     assert "pool" in cache.stats()["cache"] and cache.stats()["cache"]["pool"][0] == 3 * BIG
-    # (only now a short idle time: with it from the start, the cache thread could let the
-    # pool go before the stats above were read)
+    # (only now a short idle time: with it from the start, a pass could let the pool go
+    # before the stats above were read)
     monkeypatch.setattr(cache, "_idle", 0.2)
-    assert eventually(lambda: recycle.kept()[0] == 0, 5)      # idle: let go by the cache thread
+    # idle: let go by a pass of the caches, here in a wait on a channel (no thread does it)
+    reader, writer = mp.Pipe(duplex=False)
+    assert eventually(lambda: not reader.poll(0.05) and recycle.kept()[0] == 0, 5)
     assert eventually(lambda: not pooled(fs) and not listed(fs))
     monkeypatch.setattr(cache, "_idle", 3600.0)      # (the timer is not what is tested now)
     b = [mp.full(BIG, i, np.uint8) for i in range(3)]
@@ -381,7 +383,9 @@ def test_a_burst_keeps_its_arena_and_lets_it_go_after(fs, monkeypatch):
         assert name(b) in names
     del b                                          # (PARK_DEFER back to 5 ms: the burst is over)
     gc.collect()
-    assert eventually(lambda: not listed(fs), 5.0)  # at the cache thread's next tick: parked
+    # at the next pass of the caches (here: in a wait on a channel): parked
+    reader, writer = mp.Pipe(duplex=False)
+    assert eventually(lambda: not reader.poll(0.05) and not listed(fs), 5.0)
 
 
 # -- the daemon's records -------------------------------------------------------------

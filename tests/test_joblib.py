@@ -249,8 +249,11 @@ def test_idle_timeout_releases_the_workers(how, monkeypatch):
         with joblib.parallel_config(backend="sharedmp", n_jobs=2):
             pids = set(joblib.Parallel(timeout=TIMEOUT, idle_worker_timeout=0.5)(tasks))
     assert pids <= warm_pids() and alive(pids)                     # warm for 0.5 s
+    # (its timer: the sharedmp-cache thread, which runs while a pool is kept warm only)
+    assert cache._thread is not None and cache._thread.name == "sharedmp-cache"
     assert gone(pids, wait=10), "the idle pool was not released"   # (cache thread: 0.25 s ticks)
     assert not warm_pids()
+    assert eventually(lambda: cache._thread is None, 5, collect=False)
 
 
 def test_idle_timeout_zero_is_a_pool_per_call():

@@ -158,8 +158,9 @@ def test_a_program_ends_without_resource_warnings_leaving_nothing(tmp_path, meth
     proc = subprocess.run([sys.executable, "-X", "dev", str(script), method], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
-    # (3.12+ also warns, DeprecationWarning, of a fork in a process with threads: sharedmp's
-    # cache thread runs while it maps segments, where a plain program has none)
+    # (3.12+ also warns, DeprecationWarning, of a fork in a process with threads: here the
+    # queue's feeder thread, as the standard library's; sharedmp runs no thread of its own
+    # for the memory it caches, memory/cache.py)
     assert "ResourceWarning" not in proc.stderr, proc.stderr
     daemon = int(proc.stdout.split()[0])
     assert eventually(lambda: not alive(daemon)), "the daemon outlived its last client"

@@ -362,7 +362,7 @@ def _give_back(lent: _Lent) -> None:
         lent.since = time.monotonic()
         with _lock:
             old, _warm = _warm, lent
-        _cache.start()                       # its thread lets the pool go once idle
+        _cache.start(thread=True)            # its thread lets the pool go once idle
     if old is not None:
         _end(old)
 
@@ -404,7 +404,9 @@ def _processes() -> dict[str, Any] | None:
     return {"pids": [p.pid for p in lent.workers], "idle_s": lent.idle}
 
 
-_cache.register(4, "joblib-pool", _expire, _held, _processes)
+# (a thread of its own: a lazy pass could run in the pool's own handler thread, which
+# terminate() joins; the pool runs threads anyway)
+_cache.register(4, "joblib-pool", _expire, _held, _processes, thread=True)
 atexit.register(release_pool)               # before multiprocessing's own exit handler
 
 

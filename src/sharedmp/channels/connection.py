@@ -25,7 +25,7 @@ from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .. import settings, wire
-from ..memory import manager
+from ..memory import cache, manager
 from ..wire import dumps, loads
 from . import fdpass, flow
 
@@ -149,6 +149,7 @@ class Connection:
                     flight: int | None = None) -> None:
         """Send a packed message, waiting while the socket is full or the window passed."""
         fdpass.send_frame(self._check(write=True), payload, fds, flags, self.window(), flight)
+        cache.tick()                            # (a pass of the caches, if one is due)
 
     def try_send_packed(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> bool:
         """Send it now if that needs no wait; False, with nothing sent, otherwise."""
@@ -170,10 +171,13 @@ class Connection:
         sock = self._check(write=True)          # (send_packed's steps inline: the hot path)
         payload, fds, flags = dumps(obj, self._tokens)
         fdpass.send_frame(sock, payload, fds, flags, self.window())
+        cache.tick()                            # (a pass of the caches, if one is due)
 
     def recv(self) -> Any:
         """Receive an object sent with send()."""
-        return loads(*self._recv_frame(self._check(read=True)))
+        obj = loads(*self._recv_frame(self._check(read=True)))
+        cache.tick()
+        return obj
 
     def _recv_frame(self, sock: socket.socket) -> tuple[bytes | bytearray, list[int], int]:
         """The next frame: read at once if there, else after a spin (see SPIN), else waited
@@ -195,10 +199,12 @@ class Connection:
         elif size < 0 or offset + size > len(m):
             raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
         fdpass.send_frame(sock, m[offset:offset + size], window=self.window())
+        cache.tick()
 
     def _recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
         payload, fds, _ = self._recv_frame(self._check(read=True))
         fdpass.close_all(fds)          # raw bytes carry no fds; any that came are dropped
+        cache.tick()
         if maxlength is not None and len(payload) > maxlength:
             self.close()
             raise OSError(f"bad message length: {len(payload)} > maxlength {maxlength}")
@@ -223,7 +229,8 @@ class Connection:
         return len(payload)
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        """Whether there is anything to read (waiting up to ``timeout`` s; None: forever)."""
+        """Whether there is anything to read (waiting up to ``timeout`` s; None: forever).
+        While it waits, the passes of the caches that fall due run (memory/cache.py)."""
         sock = self._check(read=True)
         if self._poller is None:
             self._poller = select.poll()
@@ -232,13 +239,41 @@ class Connection:
         try:
             if self._poller.poll(0):
                 return True
-            if ms != 0 and self._spin(self._poller):
+            if ms == 0:
+                cache.tick()
+                return False
+            if self._spin(self._poller):
                 return True
-            return bool(self._poller.poll(ms))
+            return self._wait(self._poller, timeout)
         except RuntimeError:      # "concurrent poll() invocation": another thread waits with it
             own = select.poll()
             own.register(sock, select.POLLIN)
-            return bool(own.poll(ms))
+            return self._wait(own, timeout)
+
+    @staticmethod
+    def _wait(poller: select.poll, timeout: float | None) -> bool:
+        """``poller.poll`` for up to ``timeout`` s (None: forever), woken when a pass of the
+        caches is due to run it (``cache.tick``) and wait on: a consumer that waits gives
+        back what it keeps cached, with no thread (memory/cache.py). One poll when nothing
+        is cached."""
+        due = cache.due()
+        if due == math.inf:
+            return bool(poller.poll(None if timeout is None else
+                                    max(0, math.ceil(timeout * 1000))))
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            if now >= due:
+                cache.tick()
+                due = cache.due()
+                if due <= now:        # (skipped: another thread's pass is under way)
+                    due = now + cache.TICK
+            end = min(due, deadline)
+            if poller.poll(None if end == math.inf else max(0, math.ceil((end - now) * 1000))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            due = cache.due()
 
     @staticmethod
     def _spin(poller: select.poll) -> bool:

@@ -38,6 +38,7 @@ except ImportError:  # pragma: no cover
 
 from .. import _compat, forks
 from .. import fds as _fds
+from ..memory import cache
 from ..wire import loads
 from . import fdpass
 from .connection import Pipe
@@ -139,6 +140,7 @@ def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
         finally:
             rlock.release()
         if not block:
+            cache.tick()                 # (a consumer polling with get_nowait(): a pass too)
             raise Empty
         left = None if deadline is None else deadline - time.monotonic()
         if (left is not None and left <= 0.0) or not reader.poll(left):
@@ -167,7 +169,9 @@ class SimpleQueue:
         return not self._reader.poll()
 
     def get(self) -> Any:
-        return loads(*_get_frame(self._reader, self._rlock))     # (unpickled without the lock)
+        obj = loads(*_get_frame(self._reader, self._rlock))      # (unpickled without the lock)
+        cache.tick()                               # (a pass of the caches, if one is due)
+        return obj
 
     def put(self, obj: Any) -> None:
         self._writer.window()                  # (first: a bad setting raises before pickling)
@@ -233,6 +237,7 @@ class Queue:
             raise
         self._count_task()
         self._send(payload, fds, flags)
+        cache.tick()                               # (a pass of the caches, if one is due)
 
     def _count_task(self) -> None:
         pass
@@ -266,7 +271,9 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         frame = _get_frame(self._reader, self._rlock, block, timeout)
         self._sem.release()
-        return loads(*frame)                                      # (unpickled without the lock)
+        obj = loads(*frame)                                       # (unpickled without the lock)
+        cache.tick()                               # (a pass of the caches, if one is due)
+        return obj
 
     def get_nowait(self) -> Any:
         return self.get(False)

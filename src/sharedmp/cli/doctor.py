@@ -432,8 +432,9 @@ def check_processes():
     return Check("processes", OK,
                  f"{len(procs)} process(es) hold {_fmt_size(total)} of sharedmp memory, "
                  f"{_fmt_size(cached)} of it cache (given back after "
-                 f"{procs[0]['idle_s'] or 1:g} s idle, "
-                 f"or at once by mp.empty_cache() in that process){kept}", items=items)
+                 f"{procs[0]['idle_s'] or 1:g} s idle, at the process's next sharedmp "
+                 f"operation or wait, or at once by mp.empty_cache() in that process; as "
+                 f"each process last published it){kept}", items=items)
 
 
 def check_round_trip(strategy, fatal):

@@ -22,12 +22,12 @@ receiver's work on those arrays is done), and RELEASEs their leases in one write
 sender. Finalizers at interpreter shutdown make no CUDA call.
 
 What the receiver keeps (a cache, under ``memory/cache.py``'s rules: let go after
-``$SHAREDMP_CACHE_IDLE`` seconds unused, shown by doctor as "cuda", dropped by
-``mp.empty_cache()``): blocks whose last holder has died stay open (at most
-``MAX_IDLE_BLOCKS``), so that the next message over the same allocation (a caching
-allocator hands the same blocks out again and again) opens nothing; and the senders'
-event handles, opened once (a sender reuses its events). The memory of an idle block stays
-allocated for its sender until it is let go.
+``$SHAREDMP_CACHE_IDLE`` seconds unused, by the ``sharedmp-cache`` timer thread, which runs
+while it keeps something; shown by doctor as "cuda", dropped by ``mp.empty_cache()``):
+blocks whose last holder has died stay open (at most ``MAX_IDLE_BLOCKS``), so that the
+next message over the same allocation (a caching allocator hands the same blocks out again
+and again) opens nothing; and the senders' event handles, opened once (a sender reuses its
+events). The memory of an idle block stays allocated for its sender until it is let go.
 
 Driver calls in steady state (``README``: the counts, checked by a test with the stand-in
 driver): sender, per array: the allocation's buffer id; per message and stream: one event
@@ -291,7 +291,7 @@ class Exporter:
             entry[1] = now
             oob.keep_alive(entry[0])          # open until the message is sent
             chunks.append((key, size, oob.add(entry[0].fd)))
-        cache.start()                          # (lets the exports go once unused)
+        cache.start(thread=True)               # (lets the exports go once unused)
         return found[0][0], tuple(chunks)
 
     def expire(self, cutoff):
@@ -536,7 +536,7 @@ class Importer:
             entry[1] = time.monotonic()
             self.driver.wait(ordinal, entry[0], stream)   # (not closed meanwhile: the lock)
         memo[ordinal, d.event, stream] = True
-        cache.start()                                 # (lets the handle go once idle)
+        cache.start(thread=True)                      # (lets the handle go once idle)
 
     def received(self, ordinal, ptr, nbytes):
         """The live Holder of a region received here (to forward it), or None."""
@@ -614,7 +614,7 @@ class Importer:
                              key=lambda k: self._maps[k].idle_since)
         if oldest is not None:
             self._close_blocks([oldest])
-        cache.start()                                 # (lets the block go once idle)
+        cache.start(thread=True)                      # (lets the block go once idle)
 
     def _close_blocks(self, keys):
         """Close the idle blocks ``keys`` (those still idle)."""
@@ -712,7 +712,8 @@ def _held():
     return nbytes, fds + (len(exp._fds) if exp is not None else 0)
 
 
-cache.register(5, "cuda", _expire, _held)
+# (a thread of its own: CUDA calls, from no thread but the timer's; the driver runs threads)
+cache.register(5, "cuda", _expire, _held, thread=True)
 
 
 @forks.in_child

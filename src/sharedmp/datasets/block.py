@@ -531,6 +531,7 @@ class Block:
         self.hashes = self.rows = self.directory = memoryview(b"")
         self.shift = 64
         _live.add(self)
+        _announce(mem)
 
     @property
     def nbytes(self) -> int:
@@ -539,6 +540,20 @@ class Block:
 
 # Every block this process holds (doctor: ``live``)
 _live: weakref.WeakSet[Block] = weakref.WeakSet()
+# The addresses of the blocks this process held when it last published its stats
+_announced: set[int] = set()
+
+
+def _announce(mem: NDArray[np.uint8]) -> None:
+    """Publish this process's stats now if ``mem`` is a block it did not hold yet: doctor
+    lists its datasets though no pass of the caches may come for a while (memory/cache.py:
+    passes run at sharedmp's operations). Not again for each attach of a block it holds."""
+    address = mem.__array_interface__["data"][0]
+    if address in _announced:
+        return
+    _announced.clear()                # (forget the blocks gone: an address may be reused)
+    _announced.update(b.mem.__array_interface__["data"][0] for b in list(_live))
+    cache.publish()
 
 
 def _expected_lengths(kind: int, n: int, m: int, k: int, s: int) -> list[int | None]:

@@ -12,12 +12,14 @@ once no process holds it any more; what is carved from it is zero (unless the ca
 overwrites it), so ``zeros`` needs no fill.
 
 The current arena is a cache too: once nothing has been carved from it for
-``cache.idle()`` seconds the allocator keeps only a weak reference to it, so it goes with
-its last array (and is carved further if one still lives when the next array is made).
+``cache.idle()`` seconds the allocator keeps only a weak reference to it (at the next pass
+of the caches after: ``cache.py``, run lazily at sharedmp's operations and waits), so it
+goes with its last array (and is carved further if one still lives when the next array is
+made).
 
 Under file_system the allocator holds its arena only while it carves from it in a burst
-(its previous carve less than ``named.PARK_DEFER`` before), and until the cache thread's
-next tick after; otherwise weakly. A named arena is a file in the shm directory, and one
+(its previous carve less than ``named.PARK_DEFER`` before), and until the next pass of the
+caches after; otherwise weakly. A named arena is a file in the shm directory, and one
 that no array uses must leave the listing promptly (tests, torch's own among them, wait
 for /dev/shm to empty): its last array gone, the arena is parked (``named.py``,
 ``recycle.py``: the daemon moves it to the pool once no other process holds it), unless it
@@ -45,7 +47,7 @@ ALIGN = 64
 
 
 class _Arena:
-    __slots__ = ("mapping", "ref", "used", "where", "dirty", "seen", "since", "seg")
+    __slots__ = ("mapping", "ref", "used", "where", "dirty", "since", "seg")
 
     def __init__(self, kind, where, seg, mapping):
         if kind == "file_system":   # held in bursts only (see the module docstring)
@@ -60,8 +62,7 @@ class _Arena:
         # carved: then the rest is zeroed at once. A producer whose regions are all copied
         # over (torch tensors moved into shared memory) never pays for zeroing.
         self.dirty = seg.dirty
-        # ``used`` as the cache last saw it, and when
-        self.seen, self.since = 0, time.monotonic()
+        self.since = time.monotonic()       # (memfd) when it was last carved from
 
 
 _current: dict[str, _Arena] = {}              # strategy -> its current _Arena
@@ -80,9 +81,18 @@ def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping,
     """Shared memory no one else uses: (mapping, offset) with ``nbytes`` bytes at offset.
 
     Zeroed, unless ``zero`` is false (the caller overwrites every byte): then recycled
-    memory may keep its old contents."""
+    memory may keep its old contents. Then a pass of the caches, if one is due
+    (``cache.tick``: after, so that what the pool keeps is reused first)."""
     if nbytes >= SMALL_LIMIT:
-        return _maker(kind).create(nbytes, zero)[1], 0
+        out = _maker(kind).create(nbytes, zero)[1], 0
+    else:
+        out = _carve(nbytes, kind, zero)
+    cache.tick()
+    return out
+
+
+def _carve(nbytes, kind, zero):
+    """(allocate) A region of the current arena of ``kind``."""
     global _last_named_carve
     where = named.shm_dir() if kind == "file_system" else None
     with _lock:
@@ -106,10 +116,16 @@ def allocate(nbytes: int, kind: str, zero: bool = True) -> tuple[SegmentMapping,
             arena = _current[kind] = _Arena(kind, where, seg, mapping)
         offset = arena.used
         arena.used = (offset + max(nbytes, 1) + ALIGN - 1) & ~(ALIGN - 1)
-        if arena.seg is not None:
-            now = time.monotonic()
+        now = time.monotonic()
+        if arena.seg is None:
+            arena.since = now
+        else:
             # held in a burst; weakly otherwise (parked as soon as no array uses it)
-            arena.mapping = mapping if now - _last_named_carve < named.PARK_DEFER else None
+            if now - _last_named_carve < named.PARK_DEFER:
+                arena.mapping = mapping
+                cache.start()               # (let go by the next pass once the burst is over)
+            else:
+                arena.mapping = None
             arena.seg.carved = _last_named_carve = now
         if zero and arena.dirty:
             mapping[offset:] = 0
@@ -124,6 +140,7 @@ def _revive(kind):
         return None
     arena.mapping = mapping
     _current[kind] = arena
+    cache.start()                   # (let go again by a pass once idle)
     seg = segment.segment_of(mapping)
     if seg is not None:
         seg.idle_since = None
@@ -144,9 +161,7 @@ def _expire(cutoff):
                     gone.append(arena.mapping)      # the burst is over
                     arena.mapping = None
                 continue
-            if cutoff is not None and arena.used != arena.seen:
-                arena.seen, arena.since = arena.used, now
-            elif cutoff is None or arena.since < cutoff:
+            if cutoff is None or arena.since < cutoff:
                 seg = segment.segment_of(arena.mapping)
                 if seg is not None:
                     seg.idle_since = arena.since        # if it goes to the pool now: unused since

@@ -107,7 +107,7 @@ the names (``t``, ``u``) before the message is sent. A token serves the messages
 ``ROTATE`` (0.05) s, then the next message opens a new one (``T``); at most ``MAX_OPEN`` (8)
 of a channel end's tokens are open at once (the client keeps a read end of each to know),
 and past that it keeps its current one longer. The client lets go of its current token once
-unused for ``$SHAREDMP_CACHE_IDLE`` s (the cache thread: so also once the channel is closed),
+unused for ``$SHAREDMP_CACHE_IDLE`` s (a pass of cache.py's: so also once the channel is closed),
 at ``mp.empty_cache()``, when the channel end is collected, when a segment its messages
 named more than once is parked (``u``: so that it is free once they are taken), and with its
 connection to the daemon (a token belongs to one). The kernel closes every copy of the write

@@ -18,7 +18,8 @@ a new name). An arena (``create(revivable=True)``) is not parked at once if it w
 from within the last ``PARK_DEFER`` seconds: a stream that drops each array after sending
 it would otherwise park its arena, and move to another, for every message. It stays
 *pending* (registered, its name unchanged, no record sent): the allocator's next carve
-revives it (``revive``: a new lease), or the cache thread parks it at its next tick. A
+revives it (``revive``: a new lease), or the next pass of the caches parks it (``cache.py``:
+at the process's next sharedmp operation or wait ``cache.TICK`` s or more later). A
 segment carved from once and dropped later (a tensor sent, received and dropped, as
 torch's own tests do) is parked at once, and gone from the listing a few milliseconds
 later.
@@ -194,12 +195,16 @@ def _lease_gone(ref):
         if seg.mapping is not ref:
             return                      # (revived meanwhile: a new lease)
         segment.forget_view(seg, ref.mid)
-        if (seg.revivable and seg.owner_pid == os.getpid() and seg.recycle is not None
-                and time.monotonic() - seg.carved < PARK_DEFER):
+        pending = (seg.revivable and seg.owner_pid == os.getpid() and seg.recycle is not None
+                   and time.monotonic() - seg.carved < PARK_DEFER)
+        if pending:
             seg.pending = True
             _pending.add(seg)
-            return
-        segment.unregister(seg, ref.mid)
+        else:
+            segment.unregister(seg, ref.mid)
+    if pending:
+        cache.start()                   # (parked by the next pass, unless revived first)
+        return
     _park(seg)
 
 
@@ -255,7 +260,7 @@ def abandon(seg: Segment) -> None:
 
 
 def park_pending(cutoff: float | None) -> bool:
-    """(cache) Park the pending segments; whether the thread is still needed for them."""
+    """(cache) Park the pending segments; whether some are left (none: all were parked)."""
     with segment.lock():
         parked = [seg for seg in _pending if seg.pending]
         _pending.clear()
@@ -288,7 +293,7 @@ def attach_name(name: str, consume: bool = True, token: int = -1) -> SegmentMapp
     if mm is None and seg is not None and seg.pending:
         mm = revive(seg)              # one this process made and dropped: not parked yet
     if mm is not None:
-        seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
+        seg.hot = time.monotonic()  # type: ignore[union-attr]  # (mm is not None: so is seg)
         if consume:
             # this message's reference in flight is consumed
             manager.received(seg.path)  # type: ignore[union-attr, arg-type]
@@ -327,6 +332,7 @@ def attach_name(name: str, consume: bool = True, token: int = -1) -> SegmentMapp
     weakref.finalize(mm, _release, seg, id(mm))
     if st.st_size == KEEP_RECENT_NAMED_SIZE:
         segment.keep_recent(mm, seg)
+    cache.tick()                    # (a segment mapped anew: a pass, if one is due)
     return mm
 
 

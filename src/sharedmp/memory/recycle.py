@@ -53,7 +53,8 @@ segments kept (memfd and named together), and a quarter of the memory this machi
 its cgroup) could still make available, whichever is smaller; a quarter of that for one
 segment; at most ``MAX_ENTRIES`` segments; a few fds (two per memfd segment kept, one per
 named one before Python 3.13: mmap's own). A segment not reused for ``cache.idle()``
-seconds is let go (named: the daemon unlinks it once no one else holds it).
+seconds is let go at the next pass after (``cache.py``: the next allocation, send, receive
+or wait on a channel; named: the daemon unlinks it once no one else holds it).
 """
 import collections
 import fcntl
@@ -130,6 +131,7 @@ def give(size, mapping, private, since=None, available=None):
                          None, None, None, None, None, None])
         _total += size
         _bound(bound)
+    cache.start()                 # (from a finalizer: no pass here, one soon; see cache.py)
 
 
 def _bound_now(size, available):
@@ -160,7 +162,8 @@ def give_named(size, mapping, path, nxt, directory, address, since=None, availab
                          address])
         _total += size
         _bound(bound)
-        return True
+    cache.start()                 # (from a finalizer: no pass here, one soon; see cache.py)
+    return True
 
 
 def take_named(size, directory, making):

@@ -47,6 +47,8 @@ from ..host import HAVE_FALLOCATE, HAVE_MEMFD, available_memory, available_memor
 from ..errors import OutOfSharedMemory, SegmentError
 from . import cache, recycle
 
+_monotonic = time.monotonic
+
 SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL) if HAVE_MEMFD else 0
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
@@ -87,7 +89,7 @@ class Segment:
         # (mmap, private fd) of a memfd segment this process made; (mmap, -1) of a named one
         self.recycle = recycle
         self.dirty = False        # recycled and not zeroed (create(zero=False)): old bytes in it
-        self.hot = False          # attached again since the cache last looked (``_recent``)
+        self.hot = 0.0            # monotonic time it was last attached again (``_recent``)
         self.idle_since = None    # unused since then (a cached arena let go): the pool's clock
         self.revivable = False    # named, made here: an arena, revived after its lease went
         self.carved = 0.0         # (revivable) monotonic time of the last carve
@@ -121,6 +123,7 @@ def keep_recent(mm: Any, seg: Segment) -> None:
     """(a receiver) Keep the mapping of this small segment a while (see ``_recent``)."""
     if len(mm) <= KEEP_RECENT_MAX_SIZE:
         _recent.append([mm, seg, time.monotonic()])
+        cache.start()               # (after: a pass under way sees it, or start() is seen)
 
 
 def forget_recent():
@@ -129,21 +132,21 @@ def forget_recent():
 
 
 def _expire_recent(cutoff):
-    """(cache) Let go of the recent mappings unused since ``cutoff`` (all if None). Whether the
-    cache thread is still needed: while this process maps a segment, it may land in a cache."""
-    now, drop = time.monotonic(), []
+    """(cache) Let go of the recent mappings unused since ``cutoff`` (all if None); whether
+    some are left."""
+    drop = []
     for entry in list(_recent):
-        seg = entry[1]
-        if cutoff is None or (not seg.hot and entry[2] < cutoff):
+        last = max(entry[2], entry[1].hot)      # (its last use: kept, or attached again)
+        if cutoff is None or last < cutoff:
             drop.append(entry)
-        elif seg.hot:
-            seg.hot, entry[2] = False, now
+        else:
+            entry[2] = last
     for entry in drop:
         try:
             _recent.remove(entry)
         except ValueError:            # pushed out by a newer one meanwhile
             pass
-    return bool(_by_key) or bool(_recent)   # (unmapped as ``drop`` goes: outside any lock)
+    return bool(_recent)            # (unmapped as ``drop`` goes: outside any lock)
 
 
 def _held_recent():
@@ -185,7 +188,7 @@ def register(seg: Segment, mm: object) -> None:
         if seg.address not in _by_address:
             bisect.insort(_addresses, seg.address)
         _by_address[seg.address] = seg
-    cache.start()                   # gives back what stays cached once this is unused
+    cache.start()                   # (a pass soon: what stays cached of it goes once unused)
 
 
 def _register(seg, mm):
@@ -434,6 +437,7 @@ def create_sealed(size: int, fill: Any) -> SegmentMapping:
         mm = without_memfd(size, zero=False)[1]
         with memoryview(mm).cast("B") as view:  # type: ignore[arg-type]  # (a uint8 lease)
             fill(view)
+        cache.tick()
         return mm
     _check_available(size)
     try:
@@ -460,6 +464,7 @@ def create_sealed(size: int, fill: Any) -> SegmentMapping:
     st = os.fstat(fd)
     seg = Segment("file_descriptor", (st.st_dev, st.st_ino), size, fd, None, mm, owner=True)
     _register(seg, mm)
+    cache.tick()                    # (a pass of the caches, if one is due)
     return mm
 
 
@@ -518,7 +523,7 @@ def attach_fd(fd: int) -> SegmentMapping:
     seg = _by_key.get(key)
     mm = seg.mapping() if seg is not None else None
     if mm is not None:
-        seg.hot = True  # type: ignore[union-attr]  # (mm is not None: so is seg)
+        seg.hot = _monotonic()  # type: ignore[union-attr]  # (mm is not None: so is seg)
         return mm
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         raise SegmentError("received fd is not a shared-memory segment (not a non-empty regular "
@@ -547,6 +552,7 @@ def attach_fd(fd: int) -> SegmentMapping:
     seg = Segment("file_descriptor", key, st.st_size, own, None, mm, owner=False)
     _register(seg, mm)
     keep_recent(mm, seg)
+    cache.tick()                    # (a segment mapped anew: a pass, if one is due)
     return mm
 
 
