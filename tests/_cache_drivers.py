@@ -117,7 +117,9 @@ def _workload(ctx):
 
 
 def drop_all(strategy, how):
-    """After the program drops every array (and ``how`` is "empty_cache": calls it)."""
+    """After the program drops every array, and ``how``: "empty_cache" (calls it),
+    "allocate" (idle, then allocates), "join" (joins a child that outlives the idle time),
+    or "wait" (waits on a channel)."""
     mp.set_sharing_strategy(strategy)
     ctx = mp.get_context("spawn")
     if strategy == "file_system":
@@ -143,6 +145,15 @@ def drop_all(strategy, how):
         at_once["threads"] = [t.name for t in threading.enumerate()]
         at_once["held"] = cache.held()
         del small
+    elif how == "join":
+        # Waiting in join() for a child that outlives the idle time: the caches go meanwhile.
+        child = ctx.Process(target=time.sleep, args=(cache.idle() + 4 * cache.TICK,))
+        child.start()
+        child.join(TIMEOUT)
+        at_once = state()
+        at_once["threads"] = [t.name for t in threading.enumerate()]
+        at_once["held"] = cache.held()
+        at_once["exitcode"] = child.exitcode
     took, last = back_to(base, 30, wait)
     say(base=base, peak=peak, idle=idle, at_once=at_once, took=took, last=last)
 

@@ -89,6 +89,18 @@ def test_an_allocation_after_idle_gives_the_old_cache_back(shm, strategy):
 
 @linux_only
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_parent_waiting_in_join_gives_its_cache_back(shm, strategy):
+    # The same program, then join() a child that sleeps past the idle time: what the caches
+    # kept is let go while the parent waits, by no thread.
+    r = drive(shm, "drop_all", strategy, "join")
+    at_once = r["at_once"]
+    assert at_once["exitcode"] == 0, r
+    assert all(v == [0, 0] for k, v in at_once["held"].items() if k != "mapped"), r
+    assert at_once["threads"] == ["MainThread"], r
+
+
+@linux_only
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_empty_cache_gives_everything_back_at_once(shm, strategy):
     r = drive(shm, "drop_all", strategy, "empty_cache")
     at_once, base = r["at_once"], r["base"]

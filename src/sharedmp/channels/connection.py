@@ -256,24 +256,9 @@ class Connection:
         caches is due to run it (``cache.tick``) and wait on: a consumer that waits gives
         back what it keeps cached, with no thread (memory/cache.py). One poll when nothing
         is cached."""
-        due = cache.due()
-        if due == math.inf:
-            return bool(poller.poll(None if timeout is None else
-                                    max(0, math.ceil(timeout * 1000))))
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
-        while True:
-            now = time.monotonic()
-            if now >= due:
-                cache.tick()
-                due = cache.due()
-                if due <= now:        # (skipped: another thread's pass is under way)
-                    due = now + cache.TICK
-            end = min(due, deadline)
-            if poller.poll(None if end == math.inf else max(0, math.ceil((end - now) * 1000))):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            due = cache.due()
+        return cache.waiting(
+            lambda t: bool(poller.poll(None if t is None else max(0, math.ceil(t * 1000)))),
+            timeout)
 
     @staticmethod
     def _spin(poller: select.poll) -> bool:

@@ -29,9 +29,10 @@ library's would (Python 3.12 warns at a fork of a process with threads). Passes 
   ``poll()`` that finds nothing. When no pass is due, ``tick`` is one ``time.monotonic()``
   compared with ``_due``;
 - inside sharedmp's blocking waits: a Connection's ``recv``/``poll``, ``Queue.get`` and
-  ``SimpleQueue.get`` waiting for a message wait until the next pass is due, run it, and
-  wait on (``Connection._wait``): a consumer that waits for its next batch gives back what
-  the last one left;
+  ``SimpleQueue.get`` waiting for a message, and a sharedmp Process's ``join()``, wait until
+  the next pass is due, run it, and wait on (``waiting``): a consumer that waits for its
+  next batch gives back what the last one left, a parent that joins its workers what it
+  kept for them;
 - in ``empty()`` (``mp.empty_cache()``), which lets every cache go at once.
 
 A pass is due ``TICK`` seconds after something landed in a cache (``start``: a segment
@@ -40,7 +41,7 @@ every ``TICK`` seconds after while some cache still keeps something; ``_due`` is
 when none does (then ``tick`` never runs one, and a wait is one ``poll``). So an entry is
 let go at the first operation or wait ``idle()`` to ``idle() + TICK`` seconds after its
 last use (the caches record when they were used, not when a pass saw it); a process that
-does nothing of sharedmp's meanwhile (computes, sleeps, joins a child) keeps it until then,
+does nothing of sharedmp's meanwhile (computes, sleeps) keeps it until then,
 within the pool's bounds (``recycle.py``), or until ``mp.empty_cache()``. A pass never
 waits for another: when one is under way (another thread's, ``empty()``), a lazy pass is
 skipped. ``tick`` is called only where the caller holds no lock of sharedmp's (segment
@@ -146,6 +147,30 @@ def start(thread: bool = False) -> None:
 def due() -> float:
     """Monotonic time of the next lazy pass (inf: none)."""
     return _due
+
+
+def waiting(wait: Callable[[Optional[float]], bool], timeout: float | None) -> bool:
+    """``wait(seconds)`` (None: forever; whether what it waits for came) until it comes or
+    ``timeout`` (None: forever) has passed, woken when a pass is due to run it (``tick``) and
+    wait on: a process that waits (``recv``, ``get``, ``join``) gives back what it keeps
+    cached, with no thread. One ``wait`` when nothing is cached."""
+    due = _due
+    if due == math.inf:
+        return wait(timeout)
+    deadline = math.inf if timeout is None else _monotonic() + timeout
+    while True:
+        now = _monotonic()
+        if now >= due:
+            tick()
+            due = _due
+            if due <= now:            # (skipped: another thread's pass is under way)
+                due = now + TICK
+        end = min(due, deadline)
+        if wait(None if end == math.inf else max(0.0, end - now)):
+            return True
+        if _monotonic() >= deadline:
+            return False
+        due = _due
 
 
 def tick() -> None:

@@ -144,21 +144,36 @@ def _freezes(process: Any) -> bool:
     return target is not None and target is getattr(module, "_worker_loop", None)
 
 
-class ForkProcess(DieWithParent, _CarryStrategy, _FreezeInherited, _std.ForkProcess):
+class _JoinGivesBack(_compat._ProcessBase):
+    """Process mixin: a parent waiting in ``join()`` lets its caches go when idle, as one
+    waiting in ``get()`` does (no thread does it: memory/cache.py)."""
+
+    def join(self, timeout: float | None = None) -> None:
+        from ..memory import cache
+        join = super().join
+
+        def joined(seconds: float | None) -> bool:
+            join(seconds)
+            return self.exitcode is not None
+        cache.waiting(joined, timeout)
+
+
+class ForkProcess(DieWithParent, _JoinGivesBack, _CarryStrategy, _FreezeInherited,
+                  _std.ForkProcess):
     _sharedmp_forks = True
 
 
-class SpawnProcess(DieWithParent, _CarryStrategy, _std.SpawnProcess):
+class SpawnProcess(DieWithParent, _JoinGivesBack, _CarryStrategy, _std.SpawnProcess):
     pass
 
 
-class ForkServerProcess(DieWithParent, _CarryStrategy, _std.ForkServerProcess):
+class ForkServerProcess(DieWithParent, _JoinGivesBack, _CarryStrategy, _std.ForkServerProcess):
     def start(self) -> None:
         _preload_in_fork_server()
         super().start()
 
 
-class Process(DieWithParent, _CarryStrategy, _FreezeInherited, _std.Process):
+class Process(DieWithParent, _JoinGivesBack, _CarryStrategy, _FreezeInherited, _std.Process):
     """``mp.Process``: multiprocessing.Process of the default start method (resolved at
     ``start()``, as the standard one is), whose child starts with this process's sharing
     strategy and dies with it, as those of sharedmp's contexts do. Subclasses too."""
