@@ -187,6 +187,12 @@ def _settings(argv):
 
 
 def main(argv):
+    # As from a terminal: a program started in the background by a shell without job control
+    # (a CI script's `cmd &`) has SIGINT ignored, which its children inherit, and CPython's
+    # tests that interrupt a child (test_wait_result, ..._ignores_sigint) then fail whichever
+    # objects they use.
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _settings(argv)
     os.environ["CPYTHON_SUITE_START_METHOD"] = args.start_method or ""
     os.environ["CPYTHON_SUITE_STDLIB"] = "1" if args.stdlib else "0"
