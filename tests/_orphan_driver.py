@@ -31,16 +31,20 @@ TREE = [  # (start method, daemon, started from a thread that then ends)
 ]
 
 
+def _start(p, from_thread):
+    """Start ``p`` from this thread or from a thread that has ended when this returns."""
+    if from_thread:
+        t = threading.Thread(target=p.start)
+        t.start()
+        t.join()
+    else:
+        p.start()
+
+
 def tree(where):
     for method, daemon, from_thread in TREE:
         cls = mp.Process if method is None else mp.get_context(method).Process
-        p = cls(target=w.sleep_forever, args=(where,), daemon=daemon)
-        if from_thread:
-            t = threading.Thread(target=p.start)
-            t.start()
-            t.join()
-        else:
-            p.start()
+        _start(cls(target=w.sleep_forever, args=(where,), daemon=daemon), from_thread)
     w.write_file(os.path.join(where, "driver.json"), json.dumps({"pid": os.getpid(), "n": len(TREE)}))
     time.sleep(w.LONG)
 
@@ -50,12 +54,7 @@ def early(where, method, from_thread):
         os.register_at_fork(after_in_child=lambda: time.sleep(1.0))
     p = mp.get_context(method).Process(target=w.touch,
                                        args=(os.path.join(where, "ran"), w.SlowUnpickle(1.0)))
-    if from_thread:
-        t = threading.Thread(target=p.start)
-        t.start()
-        t.join()
-    else:
-        p.start()
+    _start(p, from_thread)
     w.write_file(os.path.join(where, "child.pid"), str(p.pid))
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -100,6 +100,28 @@ def sigkill(proc):
     assert proc.wait(TIMEOUT) == -signal.SIGKILL
 
 
+def _gone_with(proc, pid, tree):
+    """The starter SIGKILLed: its tree (the child ``pid`` in it) is gone within 5 s."""
+    sigkill(proc)
+    left = wait_gone(tree, 5)
+    assert not left, f"alive 5 s after the starter was SIGKILLed: {left} (the child: {pid})"
+
+
+def _alive_then_gone_with(proc, pid, tree, settle, event):
+    """The child ``pid`` lives ``settle`` s after ``event`` (a signal sent then would have
+    landed), and dies with its starter."""
+    time.sleep(settle)
+    assert alive({pid: tree[pid]}) == [pid], f"the child died {event}"
+    _gone_with(proc, pid, tree)
+
+
+def _end(proc, tree):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(TIMEOUT)
+    kill_all(tree)
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 @pytest.mark.parametrize("child", ["sleep", "closerange", "exec"])
 def test_child_dies_with_its_starter_whatever_it_did(tmp_path, method, child):
@@ -110,14 +132,9 @@ def test_child_dies_with_its_starter_whatever_it_did(tmp_path, method, child):
         tree = descendants(proc.pid)
         open(os.path.join(where, "go"), "w").close()
         assert pid in tree
-        sigkill(proc)
-        left = wait_gone(tree, 5)
-        assert not left, f"alive 5 s after the starter was SIGKILLed: {left} (the child: {pid})"
+        _gone_with(proc, pid, tree)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        kill_all(tree)
+        _end(proc, tree)
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -129,16 +146,9 @@ def test_child_lives_on_when_its_starter_execs_and_dies_with_what_it_became(tmp_
         tree = descendants(proc.pid)
         open(os.path.join(where, "go"), "w").close()
         assert read_when_there(os.path.join(where, "starter.exec"), proc, where) == proc.pid
-        time.sleep(0.5)                 # a signal sent at the exec would have landed
-        assert alive({pid: tree[pid]}) == [pid], "the child died when its starter exec'd"
-        sigkill(proc)
-        left = wait_gone(tree, 5)
-        assert not left, f"alive 5 s after the exec'd starter was SIGKILLed: {left} (child {pid})"
+        _alive_then_gone_with(proc, pid, tree, 0.5, "when its starter exec'd")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        kill_all(tree)
+        _end(proc, tree)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
@@ -153,13 +163,6 @@ def test_child_started_from_an_ended_thread_dies_with_its_starter(tmp_path, meth
         tree = descendants(proc.pid)
         open(os.path.join(where, "go"), "w").close()
         assert pid in tree
-        time.sleep(0.2)                 # a signal sent at the thread's end would have landed
-        assert alive({pid: tree[pid]}) == [pid], "the child died with the thread that started it"
-        sigkill(proc)
-        left = wait_gone(tree, 5)
-        assert not left, f"alive 5 s after the starter was SIGKILLed: {left} (the child: {pid})"
+        _alive_then_gone_with(proc, pid, tree, 0.2, "with the thread that started it")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(TIMEOUT)
-        kill_all(tree)
+        _end(proc, tree)

@@ -2,8 +2,9 @@
 with the standard library's: ``Process.interrupt()``, ``ProcessPoolExecutor.terminate_workers()``
 and ``kill_workers()``, ``Executor.map(..., buffersize=)``, and the default start method (3.14:
 forkserver on Linux) followed by sharedmp's default context; 3.15's
-``set_forkserver_preload(..., on_error=)`` kept when sharedmp adds its modules. Each case runs with both, in the
-same test, and must come out the same. Every wait is bounded; children are killed on failure.
+``set_forkserver_preload(..., on_error=)`` kept when sharedmp adds its modules. Each case runs
+with both, in the same test, and must come out the same. Every wait is bounded; children are
+killed on failure.
 """
 import concurrent.futures
 import itertools
@@ -116,6 +117,13 @@ def test_executor_map_with_a_buffer_reads_its_input_lazily():
     assert got["stdlib"] == got["sharedmp"] == [float(i * i) for i in range(8)], got
 
 
+def _program(code):
+    """What a fresh interpreter running ``code`` prints (JSON), bounded."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=TIMEOUT, check=True).stdout
+    return json.loads(out), out
+
+
 def test_the_default_context_follows_the_interpreters_default_start_method():
     code = ("import json, multiprocessing, sharedmp as mp\n"
             "if __name__ == '__main__':\n"
@@ -123,9 +131,7 @@ def test_the_default_context_follows_the_interpreters_default_start_method():
             "        a = pool.apply(mp.full, (10_000, 2.0))\n"
             "    print(json.dumps([multiprocessing.get_start_method(), "
             "mp.get_context().get_start_method(), float(a.sum()), mp.is_shared(a)]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=TIMEOUT, check=True).stdout
-    std, ours, total, shared = json.loads(out)
+    (std, ours, total, shared), out = _program(code)
     assert std == ours == multiprocessing.get_all_start_methods()[0], out
     assert (total, shared) == (20_000.0, True)
     if sys.platform == "linux":
@@ -141,8 +147,6 @@ def test_sharedmps_forkserver_preload_keeps_the_programs_on_error():
             "    p.start(); p.join(60)\n"
             "    print(json.dumps([p.exitcode, fs._forkserver._preload_modules, "
             "fs._forkserver._preload_on_error]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=TIMEOUT, check=True).stdout
-    exitcode, modules, on_error = json.loads(out)
+    (exitcode, modules, on_error), out = _program(code)
     assert exitcode == 0 and on_error == "warn", out
     assert modules[0] == "json" and "sharedmp" in modules, out
