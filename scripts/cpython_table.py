@@ -25,13 +25,17 @@ def run(args):
     with tempfile.TemporaryDirectory() as cwd:     # (some tests write files in the cwd)
         t0 = time.monotonic()
         try:
-            out = subprocess.run([sys.executable, SUITE, *args], cwd=cwd, capture_output=True,
-                                 text=True, timeout=BOUND).stdout
+            done = subprocess.run([sys.executable, SUITE, *args], cwd=cwd, capture_output=True,
+                                  text=True, timeout=BOUND)
+            out, err = done.stdout, done.stderr
         except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out, err = (x.decode() if isinstance(x, bytes) else (x or "")
+                        for x in (e.stdout, e.stderr))
         seconds = time.monotonic() - t0
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if not lines:
+        print(f"{args}: no result; its output ends:\n{out[-2000:]}\n{err[-6000:]}",
+              file=sys.stderr, flush=True)
         return None, seconds
     return json.loads(lines[-1][len("RESULT "):]), seconds
 

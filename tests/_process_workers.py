@@ -200,6 +200,10 @@ def pool_then_fork(library, method):
     finally:
         pool.terminate()
     threads = [t.name for t in threading.enumerate()]
+    # (a thread joined has left threading's list a moment before its OS thread is gone)
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pid = os.fork()

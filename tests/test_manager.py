@@ -459,6 +459,7 @@ def test_100_rounds_of_sigkill_leave_nothing(tmp_path):
 
 @linux_only
 @pytest.mark.leaks_ok
+@pytest.mark.slow    # (.ci/run: 3.11 only; 21 s each)
 def test_parent_sigkilled_while_children_hold_segments(tmp_path, fork_or_spawn):
     # (Not forkserver: there the children are the fork server's, not the killed program's,
     # and the run takes 20 s more, until the orphaned server has gone.)
