@@ -8,9 +8,17 @@ import numpy as np
 import sharedmp as mp
 
 
+def as_from_a_terminal():
+    """SIGINT at Python's default, as in a program started from a terminal: one started in
+    the background by a shell without job control (a CI script's `cmd &`) has it ignored, and
+    its children inherit that, whichever library starts them."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def wait_for_interrupt(ready, q, with_array):
     """Report whether SIGINT arrived as KeyboardInterrupt (with a shared array: over a
     sharedmp queue, which needs no sender alive once put() returned)."""
+    as_from_a_terminal()
     try:
         ready.set()
         time.sleep(60)
@@ -20,6 +28,7 @@ def wait_for_interrupt(ready, q, with_array):
 
 
 def sleep_forever(ready):
+    as_from_a_terminal()
     ready.set()
     while True:
         time.sleep(1)
@@ -34,6 +43,3 @@ def pid_then_sleep(a):
 def square(a):
     return np.asarray(a) ** 2
 
-
-def ignore_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)

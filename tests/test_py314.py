@@ -92,8 +92,10 @@ def test_executor_ends_its_workers(how):
             while any(p.exitcode is None for p in workers.values()):
                 assert time.monotonic() < deadline, workers
                 time.sleep(0.02)
+            # (which exception the running task gets, and which queued tasks a worker took
+            # before it died, varies with timing, for either library)
             seen[name] = (sorted({p.exitcode for p in workers.values()}),
-                          type(running.exception(timeout=TIMEOUT)).__name__,
+                          running.exception(timeout=TIMEOUT) is not None,
                           [f.cancelled() or f.done() for f in queued])
         finally:
             for p in list(getattr(ex, "_processes", None) or {}):
