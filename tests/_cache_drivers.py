@@ -273,6 +273,17 @@ def threads_now():
             "cache_thread": cache._thread is not None}
 
 
+def _from_a_child(ctx, q, n):
+    """What a spawned child sends through ``q`` (``_send_arrays``, n messages), once it ended."""
+    p = ctx.Process(target=_send_arrays, args=(q, n))
+    p.start()
+    got = []
+    while (m := q.get(timeout=TIMEOUT)) is not None:
+        got.append(m)
+    p.join(TIMEOUT)
+    return got
+
+
 def _send_arrays(q, n):
     for i in range(n):
         q.put((mp.full(100, i), mp.full(300_000, i), np.full(200_000, i)))
@@ -293,12 +304,7 @@ def no_thread(strategy):
     q.put(np.arange(200_000))                               # copied into shared memory
     c = q.get(timeout=TIMEOUT)
     out["queue to itself"] = threads_now()
-    p = ctx.Process(target=_send_arrays, args=(q, 20))
-    p.start()
-    received = []
-    while (m := q.get(timeout=TIMEOUT)) is not None:
-        received.append(m)
-    p.join(TIMEOUT)
+    received = _from_a_child(ctx, q, 20)
     out["received from a child"] = threads_now()
     d = mp.SharedList([{"x": i, "name": str(i) * 10} for i in range(2000)])
     assert d[1999]["x"] == 1999
@@ -310,7 +316,7 @@ def no_thread(strategy):
         r.send(mp.full(1 << 18, i))
         w.recv()
     out["pipe after traffic"] = threads_now()
-    del a, b, c, received, d, m
+    del a, b, c, received, d
     gc.collect()
     out["dropped"] = threads_now()
     time.sleep(cache.idle() + 2 * cache.TICK)
@@ -335,14 +341,9 @@ def waiting_consumer(strategy):
     mp.set_sharing_strategy(strategy)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_send_arrays, args=(q, 30))
-    p.start()
-    held = []
-    while (m := q.get(timeout=TIMEOUT)) is not None:
-        held.append(m)
-    p.join(TIMEOUT)
+    held = _from_a_child(ctx, q, 30)
     held += [mp.zeros(1 << 18) for _ in range(4)] + [mp.zeros(100) for _ in range(100)]
-    del held, m
+    del held
     gc.collect()
     cache._publish()
     before = {k: v for k, v in cache.held().items() if k != "mapped"}
