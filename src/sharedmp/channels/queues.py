@@ -237,7 +237,8 @@ class Queue:
             raise
         self._count_task()
         self._send(payload, fds, flags)
-        cache.tick()                               # (a pass of the caches, if one is due)
+        if _pid == self._creator:                  # (elsewhere send_packed has looked)
+            cache.tick()                           # (a pass of the caches, if one is due)
 
     def _count_task(self) -> None:
         pass
