@@ -88,6 +88,7 @@ def check_versions():
                         "sharedmp is tested with numpy >= 1.24: pip install -U numpy"))
     where = os.path.dirname(os.path.dirname(__file__))
     checks.append(Check("sharedmp", OK, f"{__version__} ({where})"))
+    checks.append(check_native())
     torch = dist_version("torch")
     if torch is None:
         checks.append(Check("torch", OK,
@@ -102,6 +103,19 @@ def check_versions():
     checks.append(Check("cuda-bindings", OK,
                         cuda or "not installed (optional: pip install 'sharedmp[cuda]')"))
     return checks
+
+
+def check_native():
+    """Which path the message path runs: the compiled core or its pure-Python twins."""
+    from .. import native
+    paths = native.status()
+    compiled = all(v == "compiled" for v in paths.values())
+    detail = ", ".join(f"{k}: {v}" for k, v in paths.items())
+    if compiled or native.disabled():
+        return Check("compiled core", OK, detail)
+    return Check("compiled core", WARN, detail,
+                 "reinstall where a C compiler and Python's headers exist (pip install "
+                 f"--force-reinstall sharedmp), or set {native.ENV}=1 to run the twins quietly")
 
 
 def check_start_methods():
