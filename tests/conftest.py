@@ -310,7 +310,10 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"default start method: {multiprocessing.get_start_method()}"
+    from sharedmp import native
+    paths = ", ".join(f"{k} {v}" for k, v in native.status().items())
+    return [f"default start method: {multiprocessing.get_start_method()}",
+            f"sharedmp's compiled core: {paths}"]
 
 
 def pytest_unconfigure(config):

@@ -21,6 +21,7 @@ Adapted from CPython's multiprocessing/queues.py; changed:
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import threading
 import time
@@ -356,22 +357,23 @@ class Queue:
                 writer.close()
                 return
             payload, taken, flags, _, flight = item
+            fds = [entry[0].fd for entry in taken]
             try:
                 # (waits here, not in put(), while the window is full: as multiprocessing's
                 # feeder waits on a full pipe)
-                writer.send_packed(payload, [entry[0].fd for entry in taken], flags, flight)
+                writer.send_packed(payload, fds, flags, flight)
             except Exception as e:
                 if ignore_epipe and getattr(e, "errno", 0) == 32:
                     return
                 sem.release()
-                _report_dropped(e)
+                _report_dropped(e, fds, writer)
             finally:
                 held.release(taken)
                 with notempty:
                     buffer.popleft()
 
 
-def _report_dropped(e: Exception) -> None:
+def _report_dropped(e: Exception, fds: list[int], writer: Connection) -> None:
     """A message put() accepted could not be sent: said on stderr, with the traceback, as
     multiprocessing's feeder reports what it could not pickle; put() has returned, so no
     caller is left to raise in. Pickling and the settings raise in put() itself: what
@@ -379,8 +381,18 @@ def _report_dropped(e: Exception) -> None:
     message of too many segments), which no retry would mend."""
     import sys
     import traceback
+    def state(fd: int) -> str:
+        try:
+            os.fstat(fd)
+            return f"{fd} open"
+        except OSError as err:
+            return f"{fd} {errno.errorcode.get(err.errno, err.errno)}"
+    sock = writer._sock
+    # (which fd a refusal such as EBADF was about: a clue where one was closed too early)
+    where = (f"its fds: {[state(fd) for fd in fds]}, the socket: "
+             f"{'closed' if sock is None else state(sock.fileno())}")
     print(f"sharedmp: a Queue's feeder thread could not send a message and dropped it: "
-          f"{type(e).__name__}: {e}", file=sys.stderr)
+          f"{type(e).__name__}: {e} ({where})", file=sys.stderr)
     traceback.print_exc()
 
 
