@@ -60,3 +60,30 @@ def test_the_wheel_in_a_fresh_venv_with_numpy_only(tmp_path):
                                 "os.path.join(os.path.dirname(sharedmp.__file__), 'py.typed')))"],
                                env=env)
     assert out.strip() == "True"
+    # The compiled core (setup.py) is in the wheel where a compiler works: a platform wheel,
+    # and the installed copy runs it.
+    import shutil
+    if shutil.which("gcc") or shutil.which("cc"):
+        assert "-linux_" in wheel and "-py3-none-any" not in wheel, wheel
+        rc, out, err = run_bounded([py, "-c", "import sharedmp.native as n; print(n.status())"],
+                                   env=env)
+        assert rc == 0 and out.count("'compiled'") == 2, (out, err[-2000:])
+
+
+@pytest.mark.timeout(300)
+def test_the_sdist_carries_the_c_sources_and_builds(tmp_path):
+    """An sdist has what setup.py compiles, and a wheel builds from it (where a compiler is)."""
+    import tarfile
+    rc, out, err = run_bounded([sys.executable, "setup.py", "-q", "sdist", "-d",
+                                str(tmp_path / "sdist")], timeout=120, cwd=ROOT, what="sdist")
+    assert rc == 0, err[-3000:]
+    [sdist] = os.listdir(tmp_path / "sdist")
+    with tarfile.open(tmp_path / "sdist" / sdist) as tar:
+        names = tar.getnames()
+    for c in ("cframe.c", "cring.c", "setup.py"):
+        assert any(n.endswith(c) for n in names), (c, names)
+    rc, out, err = run_bounded([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                                str(tmp_path / "wheel"), str(tmp_path / "sdist" / sdist)],
+                               timeout=240, what="pip wheel from the sdist")
+    assert rc == 0, err[-3000:]
+    assert len(os.listdir(tmp_path / "wheel")) == 1
