@@ -1,27 +1,29 @@
 """Which path runs: the compiled core (``sharedmp._cframe``, ``sharedmp._cring``; plain C,
 setup.py) or its pure-Python twins, the reference.
 
-``SHAREDMP_NO_EXTENSIONS=1`` selects the twins (read once, at the first ``load``), as
-multidict's and msgpack's variables do; so does an install where no compiler worked (said
-once, on stderr, the first time a compiled module is looked for). ``status()`` is what
-``doctor`` prints.
+``SHAREDMP_NO_EXTENSIONS=1`` selects the twins (read when a module that has a twin is
+imported), as multidict's and msgpack's variables do; so does an install where no compiler
+worked (said once, on stderr, the first time a compiled module is looked for).
+``status()`` is what ``doctor`` prints.
 """
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from types import ModuleType
 
-ENV = "SHAREDMP_NO_EXTENSIONS"
+from . import settings
+
+ENV = settings.NO_EXTENSIONS
 NAMES = ("_cframe", "_cring")
 _loaded: dict[str, ModuleType | None] = {}
 _said = False
 
 
 def disabled() -> bool:
-    """Whether the twins were asked for (SHAREDMP_NO_EXTENSIONS set to anything but 0/empty)."""
-    return os.environ.get(ENV, "") not in ("", "0")
+    """Whether the twins were asked for ($SHAREDMP_NO_EXTENSIONS; a bad value raises
+    ValueError naming the variable)."""
+    return bool(settings.get(ENV))
 
 
 def load(name: str) -> ModuleType | None:

@@ -32,6 +32,7 @@ CUDA_EXIT_TIMEOUT = "SHAREDMP_CUDA_EXIT_TIMEOUT"
 CUDA_EXIT_UNCLAIMED = "SHAREDMP_CUDA_EXIT_UNCLAIMED"
 MANAGER = "SHAREDMP_MANAGER"
 FREEZE_FORKED = "SHAREDMP_FREEZE_FORKED"
+NO_EXTENSIONS = "SHAREDMP_NO_EXTENSIONS"
 # torch.multiprocessing's own, honoured as torch does
 PARALLEL_START = "TORCH_MP_PARALLEL_START"
 
@@ -96,6 +97,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable(FREEZE_FORKED, None, _flag,
              "1 to freeze what every forked child inherits (gc.freeze()), 0 for none, or "
              "unset for torch DataLoader workers of sharedmp's contexts only"),
+    Variable(NO_EXTENSIONS, False, _flag,
+             "1 to run the pure-Python twins of the compiled core, or 0 (or unset) for the "
+             "compiled core where it is installed"),
     Variable(PARALLEL_START, False, lambda raw: raw == "1",
              "1 to start forkserver children from threads, as torch does"),
 )}
