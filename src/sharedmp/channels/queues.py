@@ -21,7 +21,6 @@ Adapted from CPython's multiprocessing/queues.py; changed:
 from __future__ import annotations
 
 import collections
-import errno
 import os
 import threading
 import time
@@ -386,7 +385,7 @@ def _report_dropped(e: Exception, fds: list[int], writer: Connection) -> None:
             os.fstat(fd)
             return f"{fd} open"
         except OSError as err:
-            return f"{fd} {errno.errorcode.get(err.errno, err.errno)}"
+            return f"{fd} {err.strerror}"
     sock = writer._sock
     # (which fd a refusal such as EBADF was about: a clue where one was closed too early)
     where = (f"its fds: {[state(fd) for fd in fds]}, the socket: "
