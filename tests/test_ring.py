@@ -217,6 +217,21 @@ def test_watch_returns_when_the_watched_fd_is_readable(pair):
         os.close(wr)
 
 
+def test_watch_ends_a_blocked_put(pair):
+    w, r = pair
+    while w.try_put(b"x" * 1000):
+        pass
+    rd, wr = os.pipe()
+    try:
+        w.watch(rd)
+        threading.Timer(0.2, os.close, (wr,)).start()      # (hung up: as a dead peer's socket)
+        t = time.monotonic()
+        assert w.put(b"y" * 1000, timeout=TIMEOUT) is False
+        assert time.monotonic() - t < TIMEOUT / 2
+    finally:
+        os.close(rd)
+
+
 def test_arm_and_fileno_work_with_connection_wait(pair):
     w, r = pair
     assert r.arm() is False
@@ -329,6 +344,8 @@ AT_ATTACH = {
     "head misaligned": lambda mv: _u64(mv, ring.O_HEAD, 3),
     "tail far": lambda mv: _u64(mv, ring.O_TAIL, 1 << 20),
     "tail behind": lambda mv: _u64(mv, ring.O_HEAD, 64),
+    "counters at 2**64": lambda mv: (_u64(mv, ring.O_HEAD, (1 << 64) - 8),
+                                     _u64(mv, ring.O_TAIL, 8)),
 }
 
 
@@ -665,6 +682,53 @@ def test_writer_sigkilled_mid_stream(impl, other):
         os.close(pidfd)
         _kill(p)
         r.close()
+
+
+ECHO = r"""
+import os, sys
+from sharedmp.channels import ring
+cls = ring.Compiled if sys.argv[1] == "compiled" else ring.Twin
+fds = [int(x) for x in sys.argv[2:8]]
+inbound = cls.attach(*fds[:3], side="reader", spin_us=0)
+outbound = cls.attach(*fds[3:], side="writer", spin_us=0)
+for fd in fds:
+    os.close(fd)
+try:
+    while True:
+        data = inbound.get(timeout=60)
+        if data is None or not outbound.put(data, timeout=60):
+            sys.exit(3)
+except EOFError:
+    outbound.close()
+"""
+
+
+def test_ping_pong_without_spinning_loses_no_wake(impl, other):
+    """Every wait sleeps on its eventfd (no spin): a wake lost by the announce-then-recheck
+    protocol would show as a round trip of seconds. Across processes, any two cores."""
+    out = impl.create(1 << 12, side="writer", spin_us=0)
+    back = impl.create(1 << 12, side="reader", spin_us=0)
+    fds = [*out.fds(), *back.fds()]
+    name = "compiled" if other is ring.Compiled else "twin"
+    p = subprocess.Popen([sys.executable, "-c", ECHO, name, *map(str, fds)], pass_fds=fds,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        worst = 0.0
+        for i in range(2000):
+            t = time.monotonic()
+            assert out.put(record(i), timeout=TIMEOUT)
+            assert back.get(timeout=TIMEOUT) == record(i)
+            worst = max(worst, time.monotonic() - t)
+        out.close()
+        with pytest.raises(EOFError):
+            back.get(timeout=TIMEOUT)
+        assert _finish(p)[0] == 0
+        assert worst < 5, worst
+    finally:
+        _kill(p)
+        out.close()
+        back.close()
 
 
 IDLE = r"""

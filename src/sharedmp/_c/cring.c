@@ -119,9 +119,11 @@ static uint64_t needed(Ring *self, uint64_t n)
 /* Without the GIL and for the spin only: whether waiting may stop (shared memory alone). */
 static int ready_shared(Ring *self, uint64_t need)
 {
-    if (self->writer)
+    if (self->writer) {
+        uint64_t h = atomic_load_explicit(self->head, memory_order_acquire);
         return atomic_load_explicit(self->rclosed, memory_order_acquire) ||
-               self->cap - (self->pos - atomic_load_explicit(self->head, memory_order_acquire)) >= need;
+               self->cap - (self->pos - h) >= need;
+    }
     return atomic_load_explicit(self->tail, memory_order_acquire) != self->pos ||
            atomic_load_explicit(self->wclosed, memory_order_acquire);
 }
@@ -210,9 +212,8 @@ static int await_ready(Ring *self, uint64_t need, long long deadline)
         struct pollfd pfd[2] = {{fd, POLLIN, 0}, {self->watch, POLLIN, 0}};
         int ms = -1;
         if (deadline >= 0) {
-            long long left = deadline - now_ns();
-            ms = left <= 0 ? 0 : (int)((left + 999999) / 1000000 > INT_MAX ? INT_MAX
-                                                                            : (left + 999999) / 1000000);
+            long long left = (deadline - now_ns() + 999999) / 1000000;
+            ms = left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
         }
         int n, err;
         Py_BEGIN_ALLOW_THREADS
@@ -343,7 +344,8 @@ static int publish(Ring *self, const void *src, uint64_t n)
         p = 0;
     }
     atomic_store_explicit(word32(self->data, p), (uint32_t)n, memory_order_relaxed);
-    memcpy(self->data + p + 4, src, n);
+    if (n)
+        memcpy(self->data + p + 4, src, n);
     self->pos = t + rec;
     atomic_store_explicit(self->tail, self->pos, memory_order_release);
     atomic_thread_fence(memory_order_seq_cst);
@@ -622,7 +624,7 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
     uint64_t h = atomic_load(self->head), t = atomic_load(self->tail);
     self->pos = writer ? t : h;
     self->seen = writer ? h : t;
-    if ((h & 7) || (t & 7) || t - h > cap) {
+    if ((h & 7) || (t & 7) || t - h > cap || (h >> 63)) {   /* (2^63: 29 years at 10 GB/s) */
         PyBuffer_Release(&self->buf);
         self->have_buf = 0;
         PyErr_SetString(self->protocol_error, "ring: the peer wrote impossible counters");

@@ -142,7 +142,7 @@ class PyRing:
         self._limit = capacity // 4
         self._writer = bool(writer)
         head, tail = self._q[O_HEAD // 8], self._q[O_TAIL // 8]
-        if head & 7 or tail & 7 or (tail - head) % 2**64 > capacity:
+        if head & 7 or tail & 7 or (tail - head) % 2**64 > capacity or head >> 63:
             self._release_views()
             raise ProtocolError("ring: the peer wrote impossible counters")
         self._pos, self._seen = (tail, head) if writer else (head, tail)
@@ -524,7 +524,8 @@ class _Ends:
             if capacity & (capacity - 1) or capacity + HEADER != size:
                 raise ProtocolError(f"ring: capacity {capacity} in the header does not fit the "
                                     f"memfd of {size} bytes")
-            if head & 7 or tail & 7 or (tail - head) % 2**64 > capacity:
+            # (and far from 2**64: 2**63 bytes take 29 years at 10 GB/s; no wrap to handle)
+            if head & 7 or tail & 7 or (tail - head) % 2**64 > capacity or head >> 63:
                 raise ProtocolError(f"ring: impossible counters in the header (head {head}, "
                                     f"tail {tail})")
             efds = [os.dup(efd_data), os.dup(efd_space)]
