@@ -285,7 +285,7 @@ static void leave(Ring *self)
         release_resources(self);
 }
 
-/* -1 (exception set) for None / a negative number: no deadline is -1 */
+/* The deadline (CLOCK_MONOTONIC ns) of a timeout in seconds; -1 for None (no deadline). */
 static int deadline_of(PyObject *timeout, long long *deadline)
 {
     if (timeout == NULL || timeout == Py_None) {

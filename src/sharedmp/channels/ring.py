@@ -591,6 +591,10 @@ class _Ends:
         self._memfd.close_inherited()
         self._mm = None
 
+    def __repr__(self) -> str:
+        state = "closed" if self._mm is None else f"{self.capacity} bytes"
+        return f"<sharedmp ring {type(self).__name__} {self._side} {state}>"
+
     def __enter__(self) -> Any:
         return self
 
@@ -613,7 +617,7 @@ def _compiled() -> Any:
     class Compiled(_Ends, module.Ring):     # type: ignore[name-defined,misc]
         """The compiled ring (sharedmp._cring)."""
 
-    Compiled.__module__ = __name__
+    Compiled.__module__, Compiled.__qualname__ = __name__, "Compiled"
     return Compiled
 
 
