@@ -193,6 +193,21 @@ def test_one_thread_per_end(pair):
         w.get()
 
 
+def test_an_uninitialised_compiled_core_is_refused():
+    from sharedmp import native
+    module = native.load("_cring")
+    if module is None:
+        pytest.skip("sharedmp._cring not built or disabled")
+    bare = module.Ring.__new__(module.Ring)
+    for call in (lambda: bare.put(b"x"), bare.get, bare.poll, bare.arm, bare.fileno,
+                 bare._eventfds):
+        with pytest.raises(OSError, match="closed"):
+            call()
+    bare._close()
+    with pytest.raises(ValueError):
+        module.Ring(bytearray(100), True, 4096, 0, 0, 0.0)   # (smaller than it says)
+
+
 def test_not_pickled(pair):
     import pickle
     with pytest.raises(TypeError, match="fds"):

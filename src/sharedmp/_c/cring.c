@@ -247,7 +247,7 @@ static int enter(Ring *self, int writer)
                         "cannot use its parent's ring (give the child a ring of its own)");
         return -1;
     }
-    if (self->closed) {
+    if (self->closed || !self->have_buf) {      /* (or never initialised) */
         PyErr_SetString(PyExc_OSError, "ring is closed");
         return -1;
     }
@@ -365,14 +365,15 @@ static int do_put(Ring *self, PyObject *data, PyObject *timeout, int nowait)
     if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0)
         return -1;
     int r = -1;
+    if (enter(self, 1) < 0)
+        goto done;
     if ((uint64_t)view.len > self->limit) {
         PyErr_Format(PyExc_ValueError, "ring: a record of %zd bytes is larger than this ring "
                      "takes (%llu bytes: a quarter of its capacity); send it another way",
                      view.len, (unsigned long long)self->limit);
+        leave(self);
         goto done;
     }
-    if (enter(self, 1) < 0)
-        goto done;
     uint64_t need = needed(self, (uint64_t)view.len);
     r = nowait ? ready(self, need) : await_ready(self, need, deadline);
     if (r == 1 && self->closed)
@@ -514,7 +515,7 @@ static PyObject *Ring_arm(Ring *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Ring_close(Ring *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->closed || self->forked)
+    if (self->closed || self->forked || !self->have_buf)
         Py_RETURN_NONE;
     self->closed = 1;
     atomic_store(self->writer ? self->wclosed : self->rclosed, 1);
@@ -541,7 +542,7 @@ static PyObject *Ring_forked(Ring *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Ring_fileno(Ring *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->closed || self->forked) {
+    if (self->closed || self->forked || !self->have_buf) {
         enter(self, -1);        /* (raises the error that says which) */
         return NULL;
     }
@@ -550,7 +551,7 @@ static PyObject *Ring_fileno(Ring *self, PyObject *Py_UNUSED(ignored))
 
 static PyObject *Ring_eventfds(Ring *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->closed || self->forked)
+    if (self->closed || self->forked || !self->have_buf)
         return PyErr_Format(PyExc_OSError, "ring is closed");
     return Py_BuildValue("(ii)", self->efd_data, self->efd_space);
 }
