@@ -136,7 +136,7 @@ def folder_graph(graph=None):
 # Bottom to top: each may import what is on its own line (no cycle: below) or lower.
 LAYERS = [
     {"sharedmp._compat", "sharedmp.errors", "sharedmp.fds", "sharedmp.forks", "sharedmp.host",
-     "sharedmp.settings"},
+     "sharedmp.settings", "sharedmp.native"},
     {"sharedmp.strategy"},
     {"memory"},                                   # segments, arenas, the daemon
     {"sharedmp.wire"},                            # the message format
