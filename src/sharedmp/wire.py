@@ -38,6 +38,7 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
+from . import native
 from ._compat import EXTRA_REDUCERS as _EXTRA_REDUCERS
 from .errors import ProtocolError
 from .memory import manager
@@ -249,6 +250,9 @@ def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffe
         payload = encoder[1](obj, fds)
         if payload is not None:
             return payload, fds, encoder[2]
+    plain = _dumps_plain(obj)
+    if plain is not None:
+        return plain, Fds(), 0
     oob = OutOfBand()
     prev = swap(oob)
     kind = 0
@@ -269,6 +273,21 @@ def dumps(obj: Any, tokens: manager.Tokens | None = None) -> tuple[ReadableBuffe
         oob.fds.append(fd)
         oob.fds.keep.append(owner)
     return body, oob.fds, kind
+
+
+# Builtin atoms: pickle writes them itself, before it looks at any reducer or dispatch table.
+_ATOMS = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+def _dumps_plain_py(obj: Any) -> bytes | None:
+    """The pickle of ``obj`` if it is a builtin atom or a tuple of them, else None: no
+    reducer runs, so it needs no OutOfBand, and any pickler writes these same bytes (a
+    message of an int costs 3x as much through the reused pickler's steps). The twin of
+    ``_cframe.dumps_plain``."""
+    t = type(obj)
+    if t in _ATOMS or t is tuple and all(type(x) in _ATOMS for x in obj):
+        return pickle.dumps(obj, 5)
+    return None
 
 
 def _pickle(obj: Any, oob: OutOfBand) -> ReadableBuffer:
@@ -311,8 +330,9 @@ def _decoder(kind: int) -> Decoder:
     return decode
 
 
-def loads(payload: bytes | bytearray, fds: list[int], kind: int = 0) -> Any:
-    """The object of a received frame; closes the received fds whatever happens."""
+def _loads_py(payload: bytes | bytearray, fds: list[int], kind: int = 0) -> Any:
+    """The object of a received frame; closes the received fds whatever happens. The twin
+    of ``_cframe.loads`` (which hands it every kind but a pickle's)."""
     if kind and kind != FLAG_BUFFERS:
         try:
             return _decoder(kind)(payload, fds)
@@ -330,6 +350,14 @@ def loads(payload: bytes | bytearray, fds: list[int], kind: int = 0) -> Any:
     finally:
         swap(prev)
         close_all(fds)
+
+
+# The compiled twins (_c/cframe.c) where built, else these (sharedmp/native.py).
+_dumps_plain, loads = _dumps_plain_py, _loads_py
+_c = native.load("_cframe")
+if _c is not None:
+    _c.setup_wire(pickle.dumps, pickle.loads, OutOfBand, _local, _loads_py)
+    _dumps_plain, loads = _c.dumps_plain, _c.loads
 
 
 def _loads_with_buffers(payload: memoryview) -> Any:

@@ -15,6 +15,7 @@ import struct
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .. import native
 from ..errors import ProtocolError
 from ..memory import arena, segment
 from ..wire import Fds, OutOfBand, close_all, current, swap  # noqa: F401 (used by the channels)
@@ -96,12 +97,19 @@ def _sendmsg(sock, buffers, fds, block=True):
         delay = min(2 * delay, 0.02)
 
 
-def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (),
-               flags: int = 0, window: Window | None = None,
-               flight: int | None = None) -> None:
+def _send_record_py(sock, flags, nfds, length, payload, fds, block):
+    """One record: the header (MAGIC, VERSION, ``flags``, ``nfds``, ``length``), then
+    ``payload``, with ``fds`` attached (``_sendmsg``). The twin of ``_cframe.send_record``."""
+    _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, nfds, length), payload], fds, block)
+
+
+def _send_frame_py(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] = (),
+                   flags: int = 0, window: Window | None = None,
+                   flight: int | None = None) -> None:
     """Send one frame as one record (blocking while the socket is full), then, with a
     ``window``, while the flight of its messages passes it. ``flight``: the bytes this
-    message copied into shared memory (default: ``fds.flight``)."""
+    message copied into shared memory (default: ``fds.flight``). The twin of
+    ``_cframe.send_frame`` (which hands it every frame but a plain record)."""
     if type(payload) is not bytes:
         payload = memoryview(payload).cast("B")
     nfds, length = len(fds), len(payload)
@@ -123,14 +131,13 @@ def send_frame(sock: socket.socket, payload: ReadableBuffer, fds: Sequence[int] 
         flags |= FLIGHT_TOKEN
     try:
         on_socket = nfds + len(extra) > MAX_FDS_PER_MSG
-        header = HEADER.pack(MAGIC, VERSION, flags | (FDS_ON_SOCKET if on_socket else 0), nfds,
-                             length)
         if not on_socket:
-            _sendmsg(sock, [header, payload], [*fds, *extra])
+            _send_record(sock, flags, nfds, length, payload, [*fds, *extra], True)
         else:
             side = _fds_socket(fds)   # the message's fds; the record's own stay in the record
             try:
-                _sendmsg(sock, [header, payload], [side, *extra])
+                _send_record(sock, flags | FDS_ON_SOCKET, nfds, length, payload, [side, *extra],
+                             True)
             finally:
                 os.close(side)
     finally:
@@ -159,8 +166,7 @@ def try_send_frame(sock: socket.socket, payload: Any, fds: Sequence[int] = (), f
         if pair is not None:
             fds, flags = [*fds, pair[1]], flags | FLIGHT_TOKEN
     try:
-        _sendmsg(sock, [HEADER.pack(MAGIC, VERSION, flags, nfds, len(payload)), payload], fds,
-                 block=False)
+        _send_record(sock, flags, nfds, len(payload), payload, fds, False)
     except OSError:                   # full (EAGAIN), ETOOMANYREFS, EPIPE, ...: a record is
         if window is not None:        # queued whole or not at all, so nothing went out
             window.cancel(None if pair is None else pair[0], flight)
@@ -199,10 +205,11 @@ def _take_fds(ancdata, msg_flags, fds):
                             "receiver's fd limit is too low (raise it with `ulimit -n`)")
 
 
-def recv_frame(sock: socket.socket,
-               block: bool = True) -> tuple[bytes | bytearray, list[int], int]:
+def _recv_frame_py(sock: socket.socket,
+                   block: bool = True) -> tuple[bytes | bytearray, list[int], int]:
     """Receive one frame: (payload, fds, kind). EOFError on a clean end of stream;
-    BlockingIOError if ``block`` is false and no frame is there."""
+    BlockingIOError if ``block`` is false and no frame is there. The twin of
+    ``_cframe.recv_frame``."""
     fds: list[int] = []
     try:
         data, ancdata, msg_flags, _ = sock.recvmsg(RECORD, _CMSG_SPACE, _CLOEXEC if block else
@@ -305,3 +312,11 @@ def _fds_of_socket(fd, nfds):
     except BaseException:
         close_all(fds)
         raise
+
+
+# The compiled twins (_c/cframe.c) where built, else these (sharedmp/native.py).
+_send_record, send_frame, recv_frame = _send_record_py, _send_frame_py, _recv_frame_py
+_c = native.load("_cframe")
+if _c is not None:
+    _c.setup_fdpass(ProtocolError, _payload_of, _fds_of_socket, _send_frame_py)
+    _send_record, send_frame, recv_frame = _c.send_record, _c.send_frame, _c.recv_frame

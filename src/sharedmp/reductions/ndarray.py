@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..memory.views import copy_to_shared, extent, mapping_of
-from .. import _compat, wire
+from .. import _compat, native, wire
 from ..errors import ProtocolError, SegmentError
 from ..memory import arena, segment
 from ..strategy import get_sharing_strategy
@@ -167,9 +167,10 @@ def encode_array(a, fds):
             + _DIMS[n].pack(*a.shape, *a.strides))
 
 
-def _encode_value(a, code):
+def _encode_value_py(a, code):
     """The frame of a small plain array sent by value: the header (offset 0, the strides of
-    its C or F copy), then its bytes in that order; no fd."""
+    its C or F copy), then its bytes in that order; no fd. The twin of
+    ``_cframe.encode_value``."""
     n, flags = a.ndim, a.flags
     fortran = flags.fnc                  # F-contiguous, not C: F, as NumPy's pickle keeps it
     return (_HEAD.pack(0, n, len(code), not flags.writeable) + code
@@ -191,12 +192,9 @@ def _packed_strides(shape, itemsize, fortran):
 
 def decode_array(payload, fds):
     """The array of a frame made by ``encode_array`` (the caller closes ``fds``)."""
-    offset, n, k, readonly, code, dims = _header(payload)
     if not fds:                        # by value: its bytes follow the header
-        if offset:
-            raise ProtocolError("an array frame by value must say offset 0")
-        return _from_bytes(payload, _HEAD.size + k + 16 * n, _dtype(bytes(code)), dims[:n],
-                           readonly, dims[n:])
+        return _decode_value(payload)
+    offset, n, k, readonly, code, dims = _header(payload)
     if len(payload) != _HEAD.size + k + 16 * n:
         raise ProtocolError(f"array frame of {len(payload)} bytes, its header says "
                             f"{_HEAD.size + k + 16 * n}")
@@ -207,6 +205,16 @@ def decode_array(payload, fds):
     if n and min(shape) < 0 or dtype.hasobject:
         raise SegmentError(f"malformed array header: dtype={dtype!r} shape={shape!r}")
     return _view(segment.attach_fd(fds[0]), offset, shape, strides, dtype, readonly)
+
+
+def _decode_value_py(payload):
+    """The array of a frame by value (``_encode_value``). The twin of
+    ``_cframe.decode_value``."""
+    offset, n, k, readonly, code, dims = _header(payload)
+    if offset:
+        raise ProtocolError("an array frame by value must say offset 0")
+    return _from_bytes(payload, _HEAD.size + k + 16 * n, _dtype(bytes(code)), dims[:n],
+                       readonly, dims[n:])
 
 
 def _header(payload):
@@ -271,6 +279,14 @@ def _dtype(code):
         if len(_dtypes) < 256:
             _dtypes[code] = dtype
     return dtype
+
+
+# The compiled twins (_c/cframe.c) where built, else these (sharedmp/native.py).
+_encode_value, _decode_value = _encode_value_py, _decode_value_py
+_c = native.load("_cframe")
+if _c is not None:
+    _c.setup_ndarray(_dtypes, _dtype, _encode_value_py, _decode_value_py, np.empty)
+    _encode_value, _decode_value = _c.encode_value, _c.decode_value
 
 
 def rebuild_ndarray(mapping, offset, shape, strides, dtype, readonly):
