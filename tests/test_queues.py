@@ -608,6 +608,57 @@ def test_many_arrays_in_flight_under_a_low_fd_limit():
     assert "Traceback" not in proc.stderr, proc.stderr
 
 
+_FLUSH_AT_EXIT_SCRIPT = r"""
+import os, sys
+from multiprocessing import util
+import numpy as np
+import sharedmp as mp
+
+n = 60
+ctx = mp.get_context("fork")
+q = ctx.Queue()
+r, w = os.pipe()
+
+def consume(q, n):
+    os.read(r, 1)                     # the parent is exiting: its atexit hooks have run
+    ok = True
+    for i in range(n):
+        a, b = q.get(timeout=60)
+        ok = ok and bool((a == i).all()) and b == bytes([i]) * 100_000
+    print("CHILD", ok, flush=True)
+
+p = ctx.Process(target=consume, args=(q, n))
+p.start()
+for i in range(n):
+    # an array copied into shared memory (its fd held for the feeder: a dup), and a
+    # payload over one record (written into the sender's arena by the feeder, at send)
+    q.put((np.full(8192, i, np.float64), bytes([i]) * 100_000))
+print("PARENT buffered", len(q._buffer), flush=True)
+# First of multiprocessing's exit finalizers, so after the interpreter's atexit hook of
+# weakref.finalize (registered later, run earlier) and before the feeder is joined.
+util.Finalize(None, os.write, (w, b"x"), exitpriority=100)
+"""
+
+
+@pytest.mark.timeout(4 * TIMEOUT)
+def test_the_feeder_flushes_at_exit_with_its_fds_open():
+    """A creator that puts and exits: as multiprocessing's, its exit waits for the feeder to
+    send what put() buffered (here a window of 1 byte keeps it one message ahead of the
+    reader, which reads only once the exit has begun). weakref.finalize's atexit hook runs
+    before multiprocessing's exit handler: had it run the finalizers of the fds the feeder
+    holds (the dups of ``_Held``, the window's tokens) and of the arena it writes payloads
+    into, the feeder would drop every message left (EBADF; the arena's Segment released)."""
+    import subprocess
+    env = dict(os.environ, SHAREDMP_WINDOW_BYTES="1")
+    proc = subprocess.run([sys.executable, "-c", _FLUSH_AT_EXIT_SCRIPT], capture_output=True,
+                          text=True, timeout=3 * TIMEOUT, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "CHILD True" in proc.stdout, out
+    assert "Traceback" not in proc.stderr and "dropped" not in proc.stderr, out
+    buffered = int(proc.stdout.split("PARENT buffered ")[1].split()[0])
+    assert buffered >= 50, out          # (what the test is about: most were left to the exit)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_queue_cannot_be_put_on_a_queue(kind):
     """As multiprocessing: queues travel by inheritance or as Process arguments only."""

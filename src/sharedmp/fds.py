@@ -14,6 +14,14 @@ stay with the child's copies of their tensors: CUDA is not usable after fork). A
 fds are not held this way: they go with the mapping (``segment.release``, its finalizer),
 in whichever process holds the mapping, a forked child's copy included.
 
+Not at interpreter exit: ``weakref.finalize`` calls every live finalizer from its atexit
+hook (``atexit=True``, its default), which runs before multiprocessing's (atexit runs the
+hooks registered last first, and the first finalizer is made after multiprocessing is
+imported): before its exit handler joins the queues' feeder threads. A feeder still sending the messages put() buffered
+(a process puts, then exits: multiprocessing flushes them) would find their fds closed under
+it (EBADF: the messages dropped), and a window would close its token pipes twice. The
+kernel closes them when the process ends.
+
 A *token pipe* tells a sender when a message was taken: the message carries a copy of the
 write end, the sender keeps the read end, and the read end sees EOF once every copy of the
 write end is closed (every message that carried it received, or lost with its channel or
@@ -38,8 +46,10 @@ def close_unless_forked(fds: Iterable[int], pid: int) -> None:
 
 def own(holder: object, fds: Iterable[int]) -> weakref.finalize:
     """Close ``fds`` (a container the holder may keep changing) once ``holder`` goes, in
-    this process only."""
-    return weakref.finalize(holder, close_unless_forked, fds, os.getpid())
+    this process only, and never at interpreter exit (see the module docstring)."""
+    finalizer = weakref.finalize(holder, close_unless_forked, fds, os.getpid())
+    finalizer.atexit = False
+    return finalizer
 
 
 class Fd:

@@ -193,7 +193,11 @@ def register(seg: Segment, mm: object) -> None:
 
 def _register(seg, mm):
     register(seg, mm)
-    weakref.finalize(mm, release, seg, id(mm))
+    # Not at interpreter exit (``atexit=True`` is weakref.finalize's default; its hook runs
+    # before multiprocessing's, which flushes the queues' feeder threads): a feeder still
+    # sending would find the current arena released under it, its Segment unregistered and
+    # handed to the pool while the allocator carves it. The process's end closes and unmaps.
+    weakref.finalize(mm, release, seg, id(mm)).atexit = False
 
 
 # For named.py, whose leases change the tables under their lock
