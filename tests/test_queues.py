@@ -583,8 +583,10 @@ def _without_fd_privileges():
     import subprocess
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         return []
-    prefix = ["setpriv", "--bounding-set=-sys_resource,-sys_admin",
-              "--inh-caps=-sys_resource,-sys_admin"]
+    # (and a uid of its own: the kernel counts fds in flight per user, and other test runs
+    # on the machine as root would share this one's count)
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+              "--bounding-set=-sys_resource,-sys_admin", "--inh-caps=-sys_resource,-sys_admin"]
     try:
         ok = subprocess.run(prefix + ["true"], timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
