@@ -101,7 +101,10 @@ def dev_shm_alone(alone):
     runs and keeps them out; the others (CPython's suites, whose own tests sometimes leave
     sem.mp-* files under load, and others' files cannot be told apart) run together.
     Two flock files, so that a waiting ``alone`` is not starved: it holds the turnstile."""
-    turnstile, room = (open(os.path.join(tempfile.gettempdir(), f"sharedmp-tests-shm.{n}"), "a")
+    # (in /dev/shm where there is one: the runs of Python 3.14/3.15 in the sid tree have a
+    # /tmp of their own, and the host's /dev)
+    where = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    turnstile, room = (open(os.path.join(where, f".sharedmp-tests-shm.{n}"), "a")
                        for n in ("turnstile", "room"))
     with turnstile, room:
         if alone:

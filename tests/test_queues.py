@@ -583,15 +583,19 @@ def _without_fd_privileges():
     import subprocess
     if os.geteuid() != 0 or not shutil.which("setpriv"):
         return []
-    # (and a uid of its own: the kernel counts fds in flight per user, and other test runs
-    # on the machine as root would share this one's count)
-    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-              "--bounding-set=-sys_resource,-sys_admin", "--inh-caps=-sys_resource,-sys_admin"]
-    try:
-        ok = subprocess.run(prefix + ["true"], timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        ok = False
-    return prefix if ok else []
+    # With a uid of its own where this Python runs as one (not one under /root): the kernel
+    # counts fds in flight per user, and other test runs on the machine as root would share
+    # this one's count.
+    caps = ["--bounding-set=-sys_resource,-sys_admin", "--inh-caps=-sys_resource,-sys_admin"]
+    for prefix in (["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *caps],
+                   ["setpriv", *caps]):
+        try:
+            if subprocess.run(prefix + [sys.executable, "-c", "import sharedmp"],
+                              capture_output=True, timeout=60).returncode == 0:
+                return prefix
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return []
 
 
 @pytest.mark.timeout(4 * TIMEOUT)

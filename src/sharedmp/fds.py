@@ -17,10 +17,10 @@ in whichever process holds the mapping, a forked child's copy included.
 Not at interpreter exit: ``weakref.finalize`` calls every live finalizer from its atexit
 hook (``atexit=True``, its default), which runs before multiprocessing's (atexit runs the
 hooks registered last first, and the first finalizer is made after multiprocessing is
-imported): before its exit handler joins the queues' feeder threads. A feeder still sending the messages put() buffered
-(a process puts, then exits: multiprocessing flushes them) would find their fds closed under
-it (EBADF: the messages dropped), and a window would close its token pipes twice. The
-kernel closes them when the process ends.
+imported): before its exit handler joins the queues' feeder threads. A feeder still sending
+the messages put() buffered (a process puts, then exits: multiprocessing flushes them) would
+find their fds closed under it (EBADF: the messages dropped), and a window would close its
+token pipes twice. The kernel closes them when the process ends.
 
 A *token pipe* tells a sender when a message was taken: the message carries a copy of the
 write end, the sender keeps the read end, and the read end sees EOF once every copy of the

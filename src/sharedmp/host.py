@@ -208,6 +208,15 @@ def fd_targets(pid: int | str) -> Iterator[tuple[str, str]]:
             continue                                  # closed meanwhile
 
 
+def fd_target(fd: int) -> str:
+    """What this process's ``fd`` is open on, as /proc shows it ("anon_inode:[eventfd]", a
+    path, ...); "?" where it cannot be read."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
 def reopen(fd: int, flags: int) -> int:
     """A new open file description of what ``fd`` is open on (OSError without /proc)."""
     return os.open(f"/proc/self/fd/{fd}", flags)

@@ -83,7 +83,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .. import forks, native, settings
+from .. import forks, host, native, settings
 from ..errors import ProtocolError
 from ..fds import Fd
 from ..memory import segment
@@ -501,10 +501,7 @@ class _Ends:
             raise ProtocolError("ring: the memfd received is not sealed against shrinking: a "
                                 "peer could truncate it under this process (SIGBUS)")
         for fd in (efd_data, efd_space):
-            try:
-                kind = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                kind = "?"
+            kind = host.fd_target(fd)
             if kind != "anon_inode:[eventfd]":
                 raise ProtocolError(f"ring: fd {fd} received is not an eventfd ({kind})")
         own = Fd(os.dup(memfd))
