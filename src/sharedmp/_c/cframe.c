@@ -702,48 +702,44 @@ static void set(PyObject **slot, PyObject *value) {
     Py_XSETREF(*slot, value);
 }
 
+/* Keep args[i] in slots[i] (the module's state), for the setup_* calls below. */
+static PyObject *keep(PyObject *const *args, Py_ssize_t nargs, PyObject **slots[],
+                      Py_ssize_t n, const char *name) {
+    if (nargs != n) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, n);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        set(slots[i], args[i]);
+    Py_RETURN_NONE;
+}
+
 /* setup_wire(pickle.dumps, pickle.loads, OutOfBand, _local, _loads_py) */
 static PyObject *setup_wire(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     State *st = state_of(module);
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "setup_wire takes 5 arguments");
-        return NULL;
-    }
-    set(&st->pickle_dumps, args[0]);
-    set(&st->pickle_loads, args[1]);
-    set(&st->oob_class, args[2]);
-    set(&st->local, args[3]);
-    set(&st->loads_twin, args[4]);
-    Py_RETURN_NONE;
+    PyObject **slots[] = {&st->pickle_dumps, &st->pickle_loads, &st->oob_class, &st->local,
+                          &st->loads_twin};
+    return keep(args, nargs, slots, 5, "setup_wire");
 }
 
 /* setup_fdpass(ProtocolError, _payload_of, _fds_of_socket, _send_frame_py) */
 static PyObject *setup_fdpass(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     State *st = state_of(module);
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "setup_fdpass takes 4 arguments");
-        return NULL;
-    }
-    set(&st->protocol_error, args[0]);
-    set(&st->payload_of, args[1]);
-    set(&st->fds_of_socket, args[2]);
-    set(&st->send_frame_twin, args[3]);
-    Py_RETURN_NONE;
+    PyObject **slots[] = {&st->protocol_error, &st->payload_of, &st->fds_of_socket,
+                          &st->send_frame_twin};
+    return keep(args, nargs, slots, 4, "setup_fdpass");
 }
 
 /* setup_ndarray(_dtypes, _dtype, _encode_value_py, _decode_value_py, numpy.empty) */
 static PyObject *setup_ndarray(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     State *st = state_of(module);
-    if (nargs != 5 || !PyDict_Check(args[0])) {
+    if (nargs == 5 && !PyDict_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "setup_ndarray takes a dict and 4 callables");
         return NULL;
     }
-    set(&st->dtypes, args[0]);
-    set(&st->dtype_of, args[1]);
-    set(&st->encode_twin, args[2]);
-    set(&st->decode_twin, args[3]);
-    set(&st->empty, args[4]);
-    Py_RETURN_NONE;
+    PyObject **slots[] = {&st->dtypes, &st->dtype_of, &st->encode_twin, &st->decode_twin,
+                          &st->empty};
+    return keep(args, nargs, slots, 5, "setup_ndarray");
 }
 
 #define FASTCALL(f) (PyCFunction)(void (*)(void))(f), METH_FASTCALL
