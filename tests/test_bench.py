@@ -31,7 +31,7 @@ HAVE_PANDAS = importlib.util.find_spec("pandas") is not None
 HAVE_POLARS = importlib.util.find_spec("polars") is not None
 START_IDS = ["S1", "S2", "S3", "S4", "S5", "S6"]
 FRAME_IDS = ["F1", "F2", "F3"]
-SMALL_IDS = [f"L{i}" for i in range(1, 11)]
+SMALL_IDS = [f"L{i}" for i in range(1, 13)]
 PROGRAM_IDS = START_IDS + FRAME_IDS + SMALL_IDS
 # Whether each program row can run here (it is n/a, with the reason, where it cannot).
 RUNNABLE = {"S5": HAVE_JOBLIB, "S6": HAVE_JOBLIB and HAVE_TORCH, "F1": HAVE_PYARROW,
@@ -124,11 +124,17 @@ def test_process_start_rows_measured(tiny_run):
     assert [w["id"] for w in section["workloads"]] == PROGRAM_IDS
     for w in section["workloads"]:
         res = section["results"][w["id"]]
-        assert set(res) == {"sharedmp", w["baseline"]}
+        assert set(res) == {"sharedmp", w["baseline"], *w.get("also", [])}
         if not RUNNABLE.get(w["id"], True):
             assert {r["status"] for r in res.values()} == {"n/a"}
             assert all(r["error"].startswith("needs ") for r in res.values())
             continue
+        if "torch_mp" in res:             # (the L rows: torch.multiprocessing where torch is)
+            assert (res["torch_mp"]["status"] == "ok") == HAVE_TORCH, res["torch_mp"]
+            assert (section["vs"][w["id"]]["torch_mp"] is not None) == HAVE_TORCH
+            if not HAVE_TORCH:
+                assert res["torch_mp"]["error"] == "needs torch"
+                res = {s: r for s, r in res.items() if s != "torch_mp"}
         for system, r in res.items():
             assert r["status"] == "ok", (w["id"], system, r)
             if w["kind"] == "import":          # the median of n runs, and the modules it adds
@@ -138,9 +144,10 @@ def test_process_start_rows_measured(tiny_run):
                 assert r["ms"] > 0 and r["n"] == w["n"] >= 2 and w["rows"] == 100_000
                 assert r["bytes"] > 9 * 8 * w["rows"]       # 8 float64 columns and strings
             elif w["kind"] == "small":         # us, best of 3 runs at least; p90 or rate
-                assert r["us"] > 0 and r["n"] == w["n"] >= 200 and len(r["runs_us"]) >= 3
+                assert r["us"] > 0 and r["n"] == w["n"] >= 200
+                assert len(r["runs_us"]) >= (3 if system in ("sharedmp", w["baseline"]) else 1)
                 assert ("p90_us" in r) == (w["case"] in ("pingpong", "executor_one"))
-                assert ("msgs" in r) == (w["case"] == "stream")
+                assert ("msgs" in r) == (w["case"] in ("stream", "stream4"))
             else:
                 assert r["seconds"] > 0 and r["n"] == w["n"] >= 2
         assert section["ratios"][w["id"]] > 0
@@ -247,7 +254,9 @@ def test_start_plan_counts_and_targets_from_figures():
     full = {w["id"]: w for w in plan.make_start_plan(1.0)}
     assert [full[k]["n"] for k in PROGRAM_IDS] == [9, 100, 100, 100, 100, 10, 5, 5, 5, 2000,
                                                    2000, 1000, 2000, 2000, 5000, 5000, 50000,
-                                                   5000, 50000]
+                                                   5000, 50000, 50000, 50000]
+    assert [k for k in SMALL_IDS if "torch_mp" in full[k].get("also", [])] == \
+        [k for k in SMALL_IDS if k not in ("L6", "L10")]  # (L6: the stdlib's own Queue)
     assert [full[k].get("method") for k in ("S2", "S3", "S4")] == ["spawn", "fork", "forkserver"]
     assert [full[k]["rows"] for k in FRAME_IDS] == [1_000_000] * 3
     assert [full[k]["needs"] for k in FRAME_IDS] == [["pyarrow"], ["pyarrow", "pandas"],
@@ -267,6 +276,7 @@ def test_a_row_whose_module_is_missing_says_so():
     assert start.missing({"needs": ["json", "sharedmp_no_such_module"]}) == \
         "needs sharedmp_no_such_module"
     assert start.missing({"needs": ["json"]}) is None and start.missing({}) is None
+    assert start.missing({}, "torch_mp") == (None if HAVE_TORCH else "needs torch")
 
 
 @linux_only

@@ -110,7 +110,7 @@ def add_parser(subparsers):
                    help="run only these systems, comma-separated (e.g. sharedmp,torch_fd)")
     p.add_argument("--workloads", metavar="W1,W2", default=None,
                    help="run only these workloads, comma-separated (e.g. W2,W3; S1-S6, F1-F3, "
-                   "L1-L10 and D1-D6: the process-start, data-frame, small-message and dataset "
+                   "L1-L12 and D1-D6: the process-start, data-frame, small-message and dataset "
                    "rows, which --systems does not select)")
     p.add_argument("--isolation", choices=["workload", "system"], default=None,
                    help=argparse.SUPPRESS)

@@ -223,8 +223,8 @@ def _start_runs(w, system, paths, runs, timeout):
     figures = []
     limit = timeout or (60.0 if w["kind"] == "import" else 120.0 if w["kind"] == "small" else
                         60.0 + 2.0 * w["n"])
-    if w["kind"] == "small":
-        runs = max(runs, SMALL_RUNS)
+    if w["kind"] == "small" and system in ("sharedmp", w["baseline"]):
+        runs = max(runs, SMALL_RUNS)      # (torch_mp, for reference: the runs asked for)
     for k in range(1 + w["n"] if w["kind"] == "import" else runs):
         out, status, tail, _ = run_program(start.commands(w, system, paths, sys.executable),
                                            limit)
@@ -244,16 +244,21 @@ def _measure_start(report, plan, runs, timeout):
     with tempfile.TemporaryDirectory(prefix="sharedmp-bench-") as directory:
         paths = start.scripts(directory)
         for w in plan:
-            systems = ["sharedmp", w["baseline"]]
+            systems = ["sharedmp", w["baseline"], *w.get("also", [])]
             _log(f"{w['id']:<14} {' '.join(systems)} ...")
-            why = start.missing(w)
-            res = {s: {"status": "n/a", "error": why} for s in systems} if why else \
-                {s: _start_runs(w, s, paths, runs, timeout) for s in systems}
-            res = {s: r if isinstance(r, dict) else start.summary(w, r) for s, r in res.items()}
+            res = {}
+            for s in systems:
+                why = start.missing(w, s)
+                r = {"status": "n/a", "error": why} if why else \
+                    _start_runs(w, s, paths, runs, timeout)
+                res[s] = r if isinstance(r, dict) else start.summary(w, r)
             section["results"][w["id"]] = res
             key = start.figure(w)
-            mine, theirs = (res[s].get(key) for s in systems)
-            section["ratios"][w["id"]] = mine / theirs if mine and theirs else None
+            mine = res["sharedmp"].get(key)
+            vs = {s: mine / res[s][key] if mine and res[s].get(key) else None
+                  for s in systems[1:]}
+            section["ratios"][w["id"]] = vs[w["baseline"]]
+            section.setdefault("vs", {})[w["id"]] = vs
             for s in systems:
                 r = res[s]
                 shown = f"{fmt_num(r[key])} {w['unit']}" if r["status"] == "ok" else \

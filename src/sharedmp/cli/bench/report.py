@@ -195,12 +195,15 @@ def _frame_notes(section, ws):
 
 def _small_notes(section, ws):
     res = section["results"]
-    lines = ["L1-L10: spawn; a fresh script per run, best of at least 3 runs (one CPU or two for "
-             "the two processes changes a round trip 4x);",
+    lines = ["L1-L12: spawn; a fresh script per run, best of at least 3 runs (one CPU or two for "
+             "the two processes changes a round trip 4x; torch: of the runs asked for, 5 in a "
+             "full run);",
              "    round trips: the median (p90); maps: per item; streams: per message (msg/s), "
-             "from a warm producer that makes each item as it puts it;",
+             "from warm producers that make each item as they put it;",
              "    smp/stdlib time: sharedmp's over the standard library's (L6: the standard "
-             "library's Queue with sharedmp imported, over without): lower is better"]
+             "library's Queue with sharedmp imported, over without); smp/torch time: over "
+             "torch.multiprocessing's (its tensors in L9-L10, NumPy arrays pickled elsewhere): "
+             "lower is better"]
     for burst, steady in (("L7", "L8"), ("L9", "L10")):
         b, s = ((res.get(k) or {}).get("sharedmp") or {} for k in (burst, steady))
         if b.get("status") == "ok" and s.get("status") == "ok":
@@ -210,13 +213,15 @@ def _small_notes(section, ws):
     return lines
 
 
-# The tables of the program rows: (title, its rows' kinds, its systems, ratio title, notes)
+# The tables of the program rows: (title, its rows' kinds, its systems, its ratio columns
+# (title, the system sharedmp's time is over; None: the row's baseline), notes)
 START_TABLES = [
     ("process start", ("import", "pool", "joblib"), ("sharedmp", "stdlib", "loky"),
-     "smp/base time", _start_notes),
-    ("data frames, one message", ("frame",), ("sharedmp", "stdlib"), "smp/stdlib time",
-     _frame_notes),
-    ("small messages", ("small",), ("sharedmp", "stdlib"), "smp/stdlib time", _small_notes),
+     [("smp/base time", None)], _start_notes),
+    ("data frames, one message", ("frame",), ("sharedmp", "stdlib"),
+     [("smp/stdlib time", None)], _frame_notes),
+    ("small messages", ("small",), ("sharedmp", "stdlib", "torch_mp"),  # (torch_mp: L rows)
+     [("smp/stdlib time", None), ("smp/torch time", "torch_mp")], _small_notes),
 ]
 
 
@@ -225,18 +230,20 @@ def format_start(report):
     better); a table none of whose rows ran is left out."""
     section = report["start"]
     lines = []
-    for title, kinds, systems, ratio, notes in START_TABLES:
+    for title, kinds, systems, ratios, notes in START_TABLES:
         ws = [w for w in section["workloads"] if w["kind"] in kinds]
         if not ws:
             continue
         rows = []
         for w in ws:
             res = section["results"][w["id"]]
+            vs = section.get("vs", {}).get(w["id"], {})
             rows.append([_start_label(w, res), w["unit"]]
                         + [_start_cell(w, res.get(s)) for s in systems]
-                        + [_fmt_ratio(section["ratios"].get(w["id"]))])
-        lines += ([""] if lines else []) + _aligned([title, "unit", *systems, ratio], rows) \
-            + [""] + notes(section, ws)
+                        + [_fmt_ratio(section["ratios"].get(w["id"]) if s is None else vs.get(s))
+                           for _, s in ratios])
+        lines += ([""] if lines else []) + _aligned(
+            [title, "unit", *systems, *(t for t, _ in ratios)], rows) + [""] + notes(section, ws)
     return "\n".join(lines)
 
 

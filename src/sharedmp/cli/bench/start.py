@@ -13,12 +13,13 @@ S5     ``joblib.Parallel(n_jobs=2)`` calls of 10 ``delayed(abs)`` tasks: backend
 S6     ``Parallel(n_jobs=2)`` calls that each pass a fresh 64 MiB torch tensor to 2 tasks
        returning its sum: "sharedmp" (the tensor moves into shared memory once) against
        loky (which pickles it by value into each task).
-L1-L10 small messages (``SMALL_SCRIPT``), spawn, sharedmp's channels against the standard
-       library's (L6: the standard library's ``Queue`` with sharedmp imported against
-       without): a ``Pipe`` ping-pong (median and p90 of 2,000 round trips), a
-       ``ProcessPoolExecutor`` submit + result, executor and ``Pool`` maps of 2,000 arrays,
-       and streams from a warm producer that makes each array (or tensor) as it puts it, a
-       burst of 5,000 and a steady 50,000, timed from the go to the last get. A fresh
+L1-L12 small messages (``SMALL_SCRIPT``), spawn, sharedmp's channels against the standard
+       library's and torch.multiprocessing's (L6: the standard library's ``Queue`` with
+       sharedmp imported against without): a ``Pipe`` ping-pong (median and p90 of 2,000
+       round trips), a ``ProcessPoolExecutor`` submit + result, executor and ``Pool`` maps
+       of 2,000 arrays, and streams from warm producers that make each array (tensor, small
+       tuple) as they put it, a burst of 5,000 and a steady 50,000 (L12: four producers),
+       timed from the go to the last get; the producers live until it. A fresh
        program per run, the best of at least 3 runs: whether the OS puts the two processes
        on one CPU or two changes a round trip 4x, from run to run.
 F1-F3  one message through a spawn ``Queue`` to a child that reads its last row (a value of
@@ -214,11 +215,14 @@ if __name__ == "__main__":
 
 SMALL_SCRIPT = """\
 \"\"\"L rows: small messages one at a time and in streams. argv: system case item n; system
-"sharedmp", "multiprocessing", or "multiprocessing+sharedmp" (the standard library's
-channels with sharedmp imported: its reducers are installed for their pickler too).\"\"\"
+"sharedmp", "torch" (torch.multiprocessing), "multiprocessing", or "multiprocessing+sharedmp"
+(the standard library's channels with sharedmp imported: its reducers are installed for their
+pickler too).\"\"\"
 import sys
 if sys.argv[1] == "sharedmp":
     import sharedmp as lib
+elif sys.argv[1] == "torch":
+    import torch.multiprocessing as lib
 else:
     import multiprocessing as lib
     if sys.argv[1] == "multiprocessing+sharedmp":
@@ -255,15 +259,22 @@ def make_maker(kind):
     import numpy as np
     if kind == "int":
         return lambda i: i
+    if kind == "tuple":
+        return lambda i: (i, i * 0.5, "abcdefghijklmnop", i)
     return lambda i: np.full(256, float(i), dtype=np.float32)
 
 
-def producer(kind, q, go, n):
+def producer(kind, q, go, done, n):
     make = make_maker(kind)
     go.wait(WAIT)
     for i in range(n):
         q.put(make(i))
     q.put(None)
+    done.wait(WAIT)       # (alive until all is taken: torch's fds come from the sender)
+
+
+def first_of(x):
+    return x[0], x[-1]
 
 
 def quantiles(times):
@@ -331,34 +342,45 @@ def pool_map(ctx, kind, n):
     return {{"us": seconds / n * 1e6}}
 
 
-def stream(ctx, kind, n):
-    \"\"\"A producer (spawned, warm) makes and puts n arrays; this process gets them.\"\"\"
-    q, go = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=producer, args=(kind, q, go, n), daemon=True)
-    p.start()
+def stream(ctx, kind, n, producers=1):
+    \"\"\"``producers`` producers (spawned, warm) make and put n items in all; this process
+    gets them.\"\"\"
+    q, go, done = ctx.Queue(), ctx.Event(), ctx.Event()
+    ps = [ctx.Process(target=producer, args=(kind, q, go, done, n // producers), daemon=True)
+          for _ in range(producers)]
+    for p in ps:
+        p.start()
     make_maker(kind)                                 # (this process's imports, untimed)
     try:
-        time.sleep(0.5)                              # the producer's start, untimed
+        time.sleep(0.5 * producers)                  # the producers' start, untimed
         t0 = time.perf_counter()
         go.set()
-        k = 0
-        while True:
+        k = ended = 0
+        while ended < producers:
             x = q.get(timeout=WAIT)
             if x is None:
-                break
-            x[0], x[-1]
+                ended += 1
+                continue
+            first_of(x)
             k += 1
         seconds = time.perf_counter() - t0
-        p.join(WAIT)
+        done.set()
+        for p in ps:
+            p.join(WAIT)
     finally:
-        if p.is_alive():
-            p.kill()
-    assert k == n
-    return {{"us": seconds / n * 1e6, "msgs": n / seconds}}
+        for p in ps:
+            if p.is_alive():
+                p.kill()
+    assert k == n // producers * producers
+    return {{"us": seconds / k * 1e6, "msgs": k / seconds}}
+
+
+def stream4(ctx, kind, n):
+    return stream(ctx, kind, n, 4)
 
 
 CASES = {{"pingpong": pingpong, "executor_one": executor_one, "executor_map": executor_map,
-         "pool_map": pool_map, "stream": stream}}
+         "pool_map": pool_map, "stream": stream, "stream4": stream4}}
 
 
 def main(case, kind, n):
@@ -403,9 +425,11 @@ def commands(w, system, paths, python):
     if w["kind"] == "frame":
         return [python, paths[f"frames_{module}.py"], w["frame"], str(w["rows"]), str(w["n"])]
     if w["kind"] == "small":
-        if w.get("channel") == "stdlib" and system == "sharedmp":
+        if system == "torch_mp":
+            module = "torch"
+        elif w.get("channel") == "stdlib" and system == "sharedmp":
             module = "multiprocessing+sharedmp"
-        item = "array" if w["item"] == "torch" and system != "sharedmp" else w["item"]
+        item = "array" if w["item"] == "torch" and system == "stdlib" else w["item"]
         return [python, paths["small.py"], module, w["case"], item, str(w["n"])]
     return [python, paths[f"joblib_{system}.py"], w["calls"], system, str(w["n"])]
 
@@ -445,9 +469,11 @@ def summary(w, runs):
             "runs_s": [r["seconds"] for r in runs]}
 
 
-def missing(w):
-    """Why workload ``w`` cannot run here (a module of its ``needs`` is not installed), or
-    None. Asked before its programs run, so a skipped row costs nothing and says why."""
+def missing(w, system=None):
+    """Why workload ``w`` cannot run here (a module of its ``needs`` is not installed, or
+    torch for ``system`` torch_mp), or None. Asked before its programs run, so a skipped row
+    costs nothing and says why."""
     import importlib.util
-    absent = [m for m in w.get("needs", []) if importlib.util.find_spec(m) is None]
+    needs = [*w.get("needs", []), *(["torch"] if system == "torch_mp" else [])]
+    absent = [m for m in dict.fromkeys(needs) if importlib.util.find_spec(m) is None]
     return f"needs {', '.join(absent)}" if absent else None
