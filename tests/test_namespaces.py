@@ -128,9 +128,17 @@ class Program:
             self.kill()
             pytest.fail(f"{self.proc.args} did not exit within {TIMEOUT} s", pytrace=False)
 
-    def kill(self):
+    def kill(self, frozen=False):
         """SIGKILL (unshare's --kill-child: its pid 1 too, so the whole namespace); wait until
-        every process of it is gone."""
+        every process of it is gone. ``frozen``: every process of the namespace is stopped
+        first (SIGSTOP), so that none acts between pid 1's death and its own (the daemon
+        removes what dead clients left, when it gets the time): the worst case."""
+        if frozen and self.ns is not None:
+            for pid in _members(self.ns):
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -180,7 +188,7 @@ def test_what_a_killed_pid_1_left_goes_when_the_next_program_starts(dirs):
     shm, run, env = dirs
     killed = Program("kill", env)
     assert killed.report["pid"] == 1
-    killed.kill()
+    killed.kill(frozen=True)      # (not frozen, its daemon may remove some first: 3 of 5 left)
     left = [p for p in everything_in(shm) if os.path.basename(p).startswith(PREFIX)]
     assert len(left) >= 5, left                      # (what there is to sweep)
     # The next start, in a namespace of its own: its daemon may have the dead one's pid.
