@@ -10,6 +10,7 @@ no /proc means nothing is called a leftover. sharedmp is tested on Linux.
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -19,6 +20,9 @@ from typing import Any, Iterator, NamedTuple
 HAVE_MEMFD = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 HAVE_FALLOCATE = hasattr(os, "posix_fallocate")
 HAVE_PDEATHSIG = sys.platform.startswith("linux")
+# Total store order (x86-64): stores are seen in the order made, loads are made in order.
+# What plain Python reads and writes of shared memory may rely on (channels/ring.py's twin).
+TOTAL_STORE_ORDER = platform.machine() in ("x86_64", "AMD64")
 
 
 # -- memory ------------------------------------------------------------------------------

@@ -75,7 +75,6 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import platform
 import select
 import stat
 import threading
@@ -97,7 +96,7 @@ MARKER = 0xFFFFFFFF
 MIN_CAPACITY = 1 << 10
 MAX_CAPACITY = 1 << 30
 DEFAULT_CAPACITY = 1 << 20
-_SLICE = None if platform.machine() in ("x86_64", "AMD64") else 0.01
+_SLICE = None if host.TOTAL_STORE_ORDER else 0.01
 _EFD_FLAGS = os.EFD_CLOEXEC | os.EFD_NONBLOCK
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
@@ -439,6 +438,18 @@ _rings: weakref.WeakSet[Any] = weakref.WeakSet()
 _SIDES = ("reader", "writer")
 
 
+def _check_side(side: str) -> None:
+    if side not in _SIDES:
+        raise ValueError(f"side must be 'reader' or 'writer', not {side!r}")
+
+
+def _close_half(memfd: Fd, efds: list[int]) -> None:
+    """(an end that failed half-made) close what it had opened."""
+    memfd.close()
+    for fd in efds:
+        os.close(fd)
+
+
 class _Ends:
     """``create``/``attach``/``fds``/``close`` over either core (the mapping, the memfd)."""
 
@@ -462,10 +473,9 @@ class _Ends:
                 not MIN_CAPACITY <= capacity <= MAX_CAPACITY:
             raise ValueError(f"ring capacity must be a power of two from {MIN_CAPACITY} to "
                              f"{MAX_CAPACITY}, not {capacity!r}")
-        if side not in _SIDES:
-            raise ValueError(f"side must be 'reader' or 'writer', not {side!r}")
+        _check_side(side)
         size = HEADER + capacity
-        memfd = Fd(segment.made(size, lambda n: segment._new_memfd("sharedmp-ring", n)))
+        memfd = Fd(segment.made(size, lambda n: segment.new_memfd("sharedmp-ring", n)))
         efds: list[int] = []
         try:
             fcntl.fcntl(memfd.fd, fcntl.F_ADD_SEALS, segment.SEALS)
@@ -475,9 +485,7 @@ class _Ends:
                 i[O_MAGIC // 4], i[O_VERSION // 4], u[O_CAPACITY // 8] = MAGIC, VERSION, capacity
             efds = [os.eventfd(0, _EFD_FLAGS), os.eventfd(0, _EFD_FLAGS)]
         except BaseException:
-            memfd.close()
-            for fd in efds:
-                os.close(fd)
+            _close_half(memfd, efds)
             raise
         return cls._make(memfd, mm, side == "writer", capacity, efds, spin_us)
 
@@ -486,8 +494,7 @@ class _Ends:
                spin_us: float | None = None) -> Any:
         """The other end of a ring made by ``create`` in a peer, from its ``fds()`` (borrowed:
         they are dup'd; the caller closes its own). Everything is checked: ProtocolError."""
-        if side not in _SIDES:
-            raise ValueError(f"side must be 'reader' or 'writer', not {side!r}")
+        _check_side(side)
         try:
             st = os.fstat(memfd)
         except OSError as e:
@@ -529,9 +536,7 @@ class _Ends:
             for fd in efds:
                 os.set_blocking(fd, False)
         except BaseException:
-            own.close()
-            for fd in efds:
-                os.close(fd)
+            _close_half(own, efds)
             raise
         return cls._make(own, mm, side == "writer", capacity, efds, spin_us)
 
@@ -542,9 +547,7 @@ class _Ends:
         try:
             self = cls(mm, writer, capacity, efds[0], efds[1], float(spin))  # (owns efds now)
         except BaseException:
-            memfd.close()
-            for fd in efds:
-                os.close(fd)
+            _close_half(memfd, efds)
             mm.close()
             raise
         self._memfd, self._mm, self._side = memfd, mm, "writer" if writer else "reader"

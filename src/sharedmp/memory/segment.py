@@ -390,7 +390,7 @@ def too_many_files(what: str) -> OSError:
                    "(arrays below 1 MiB share a few segments)")
 
 
-def _new_memfd(name, size):
+def new_memfd(name, size):
     """A memfd of ``size`` bytes, reserved (``OutOfSharedMemory``), its seals still to add."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -406,7 +406,7 @@ def _new_memfd(name, size):
 def _create_memfd(size):
     if not HAVE_MEMFD:
         raise OSError("the file_descriptor strategy needs memfd_create (Linux); use 'file_system'")
-    fd = _new_memfd("sharedmp", size)
+    fd = new_memfd("sharedmp", size)
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         mm = map_fd(fd, size)
@@ -445,7 +445,7 @@ def create_sealed(size: int, fill: Any) -> SegmentMapping:
         return mm
     _check_available(size)
     try:
-        fd = _new_memfd("sharedmp-sealed", size)
+        fd = new_memfd("sharedmp-sealed", size)
     except OSError as e:
         raise (too_many_files("create") if e.errno == errno.EMFILE else e) from None
     try:
