@@ -119,6 +119,13 @@ TARGETS = [   # (workload, metric, system, against, at least / at most, factor, 
 # n: S1 the timed runs of each import (the median), F1-F3 the timed messages per run, the
 # others the rounds or calls per run; needs: the modules a row cannot run without.
 FRAME_ROWS = 1_000_000            # F1-F3: 8 float64 columns + 1 string column, about 80 MB
+def _small(wid, n, case, item, title, **more):
+    """An L row: against the standard library, and torch.multiprocessing unless ``also``
+    says otherwise."""
+    return dict(dict(id=wid, n=n, kind="small", case=case, item=item, baseline="stdlib",
+                     also=["torch_mp"], unit="us", title=title), **more)
+
+
 START_WORKLOADS = [
     dict(id="S1", n=9, kind="import", baseline="stdlib", unit="ms",
          title="import sharedmp / import multiprocessing, fresh interpreter"),
@@ -146,42 +153,32 @@ START_WORKLOADS = [
     # producers (us per message; msg/s shown). items: 1 KiB float32 arrays made fresh for each
     # message ("torch": fresh tensors for sharedmp and torch, NumPy for the stdlib; "tuple":
     # (int, float, a 16-character str, int)).
-    dict(id="L1", n=2000, kind="small", case="pingpong", item="int", baseline="stdlib",
-         also=["torch_mp"], unit="us", title="Pipe ping-pong of an int, median round trip"),
-    dict(id="L2", n=2000, kind="small", case="pingpong", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="Pipe ping-pong of a fresh 1 KiB array, median round trip"),
-    dict(id="L3", n=1000, kind="small", case="executor_one", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="ProcessPoolExecutor(1) submit + result of a 1 KiB array, median"),
-    dict(id="L4", n=2000, kind="small", case="executor_map", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="ProcessPoolExecutor(2).map echoing 1 KiB arrays, per item"),
-    dict(id="L5", n=2000, kind="small", case="pool_map", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="Pool(2).map (chunksize 1) of 1 KiB arrays to a float, per item"),
-    dict(id="L6", n=5000, kind="small", case="stream", item="array", baseline="stdlib",
-         unit="us", channel="stdlib", title="a standard-library Queue of fresh 1 KiB arrays "
-         "with sharedmp imported (not: baseline), per message"),
-    dict(id="L7", n=5000, kind="small", case="stream", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="burst: fresh 1 KiB arrays through a Queue, per message"),
-    dict(id="L8", n=50000, kind="small", case="stream", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="steady: fresh 1 KiB arrays through a Queue, per message"),
-    dict(id="L9", n=5000, kind="small", case="stream", item="torch", baseline="stdlib",
-         also=["torch_mp"], unit="us", needs=["torch"],
-         title="burst: fresh 1 KiB tensors (stdlib: arrays) through a Queue, per message"),
+    _small("L1", 2000, "pingpong", "int", "Pipe ping-pong of an int, median round trip"),
+    _small("L2", 2000, "pingpong", "array",
+           "Pipe ping-pong of a fresh 1 KiB array, median round trip"),
+    _small("L3", 1000, "executor_one", "array",
+           "ProcessPoolExecutor(1) submit + result of a 1 KiB array, median"),
+    _small("L4", 2000, "executor_map", "array",
+           "ProcessPoolExecutor(2).map echoing 1 KiB arrays, per item"),
+    _small("L5", 2000, "pool_map", "array",
+           "Pool(2).map (chunksize 1) of 1 KiB arrays to a float, per item"),
+    _small("L6", 5000, "stream", "array", "a standard-library Queue of fresh 1 KiB arrays "
+           "with sharedmp imported (not: baseline), per message", channel="stdlib", also=[]),
+    _small("L7", 5000, "stream", "array",
+           "burst: fresh 1 KiB arrays through a Queue, per message"),
+    _small("L8", 50000, "stream", "array",
+           "steady: fresh 1 KiB arrays through a Queue, per message"),
+    _small("L9", 5000, "stream", "torch",
+           "burst: fresh 1 KiB tensors (stdlib: arrays) through a Queue, per message",
+           needs=["torch"]),
     # (L10 without torch_mp: its 50,000 tensors, 2 ms each there (L9), take minutes a run)
-    dict(id="L10", n=50000, kind="small", case="stream", item="torch", baseline="stdlib",
-         unit="us", needs=["torch"],
-         title="steady: fresh 1 KiB tensors (stdlib: arrays) through a Queue, per message"),
-    dict(id="L11", n=50000, kind="small", case="stream", item="tuple", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="steady: small tuples (int, float, str, int) through a Queue, per message"),
-    dict(id="L12", n=50000, kind="small", case="stream4", item="array", baseline="stdlib",
-         also=["torch_mp"], unit="us",
-         title="four producers of fresh 1 KiB arrays into one Queue, per message"),
+    _small("L10", 50000, "stream", "torch",
+           "steady: fresh 1 KiB tensors (stdlib: arrays) through a Queue, per message",
+           needs=["torch"], also=[]),
+    _small("L11", 50000, "stream", "tuple",
+           "steady: small tuples (int, float, str, int) through a Queue, per message"),
+    _small("L12", 50000, "stream4", "array",
+           "four producers of fresh 1 KiB arrays into one Queue, per message"),
 ]
 SMALL_RUNS = 3              # L rows: runs per system at least (where the OS puts the two
                             # processes, one CPU or two, changes a round trip 4x: best of runs)
