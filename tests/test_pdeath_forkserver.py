@@ -8,6 +8,7 @@ Each test runs a real starting process (``_pdeath_workers.py``) and SIGKILLs it;
 left of its tree is found through /proc and killed by pid (with its start time, so that a
 reused pid is never hit).
 """
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,51 +19,13 @@ import pytest
 
 from sharedmp.processes import pdeath
 
-from _helpers import proc_stat
 from conftest import TIMEOUT
+from test_processes import alive, descendants, kill_all, wait_gone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRIVE = "import _pdeath_workers as w; w.main()"
 
 pytestmark = pytest.mark.skipif(not pdeath.HAVE_PDEATHSIG, reason="Linux only")
-
-
-def descendants(root):
-    """{pid: start time} of every process below ``root`` now."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = proc_stat(int(name))
-            if st is not None and st[0] not in "ZX":
-                children.setdefault(st[1], []).append((int(name), st[2]))
-    out, todo = {}, [root]
-    while todo:
-        for pid, start in children.get(todo.pop(), []):
-            out[pid] = start
-            todo.append(pid)
-    return out
-
-
-def alive(procs):
-    """The pids of ``procs`` ({pid: start time}) still running (not zombies, not reused)."""
-    return [pid for pid, start in procs.items()
-            if (st := proc_stat(pid)) is not None and st[2] == start and st[0] not in "ZX"]
-
-
-def wait_gone(procs, timeout):
-    deadline = time.monotonic() + timeout
-    while (left := alive(procs)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return left
-
-
-def kill_all(procs):
-    for pid in alive(procs):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not wait_gone(procs, 10), "could not kill the starter's leftovers"
 
 
 def read_when_there(path, starter, where):
@@ -122,33 +85,34 @@ def _end(proc, tree):
     kill_all(tree)
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-@pytest.mark.parametrize("child", ["sleep", "closerange", "exec"])
-def test_child_dies_with_its_starter_whatever_it_did(tmp_path, method, child):
+@contextlib.contextmanager
+def started(tmp_path, method, child, starter, start_from="main"):
+    """``start``, then tell the child to go on: (Popen, child pid, the starter's tree); what
+    is left of the tree is killed at the end."""
     where = str(tmp_path)
-    proc, pid = start(where, method, child, "sleep")
+    proc, pid = start(where, method, child, starter, start_from)
     tree = {}
     try:
         tree = descendants(proc.pid)
         open(os.path.join(where, "go"), "w").close()
-        assert pid in tree
-        _gone_with(proc, pid, tree)
+        yield proc, pid, tree
     finally:
         _end(proc, tree)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("child", ["sleep", "closerange", "exec"])
+def test_child_dies_with_its_starter_whatever_it_did(tmp_path, method, child):
+    with started(tmp_path, method, child, "sleep") as (proc, pid, tree):
+        assert pid in tree
+        _gone_with(proc, pid, tree)
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_child_lives_on_when_its_starter_execs_and_dies_with_what_it_became(tmp_path, method):
-    where = str(tmp_path)
-    proc, pid = start(where, method, "sleep", "exec")
-    tree = {}
-    try:
-        tree = descendants(proc.pid)
-        open(os.path.join(where, "go"), "w").close()
-        assert read_when_there(os.path.join(where, "starter.exec"), proc, where) == proc.pid
+    with started(tmp_path, method, "sleep", "exec") as (proc, pid, tree):
+        assert read_when_there(str(tmp_path / "starter.exec"), proc, str(tmp_path)) == proc.pid
         _alive_then_gone_with(proc, pid, tree, 0.5, "when its starter exec'd")
-    finally:
-        _end(proc, tree)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
@@ -156,13 +120,6 @@ def test_child_lives_on_when_its_starter_execs_and_dies_with_what_it_became(tmp_
 def test_child_started_from_an_ended_thread_dies_with_its_starter(tmp_path, method, child):
     # The thread that started the child is joined before the starter is killed: the kernel's
     # parent-death signal would have followed that thread; the watcher follows the process.
-    where = str(tmp_path)
-    proc, pid = start(where, method, child, "sleep", start_from="thread")
-    tree = {}
-    try:
-        tree = descendants(proc.pid)
-        open(os.path.join(where, "go"), "w").close()
+    with started(tmp_path, method, child, "sleep", start_from="thread") as (proc, pid, tree):
         assert pid in tree
         _alive_then_gone_with(proc, pid, tree, 0.2, "with the thread that started it")
-    finally:
-        _end(proc, tree)

@@ -84,7 +84,7 @@ def kill_all(procs):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    assert not wait_gone(procs, 10), "could not kill the driver's leftovers"
+    assert not wait_gone(procs, 10), "could not kill the leftovers"
 
 
 def wait_for(predicate, timeout=TIMEOUT, what="condition"):
