@@ -35,7 +35,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import queue
 import signal
 import sys
 import threading
@@ -45,6 +44,8 @@ import traceback
 import numpy as np
 
 import sharedmp as mp
+from sharedmp.cli.stress import (put_unless_stopped, read_json_line, received, stop_feeder,
+                                 stop_threads, wait_turn)
 from sharedmp.memory import manager, named, segment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -260,21 +261,6 @@ def _raw_burst_main(out_fd, held, extra, hold_ms):
         os._exit(code)
 
 
-def read_line(fd, timeout):
-    """A JSON line from ``fd`` (None if none came whole within ``timeout`` s)."""
-    import select
-    data, end = b"", time.monotonic() + timeout
-    while not data.endswith(b"\n"):
-        left = end - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            return None
-        data += chunk
-    return json.loads(data)
-
-
 class ForkedCheck:
     """A torch Dataset (duck-typed) whose DataLoader workers, forked while the helper threads
     run, report on what they inherited: item k is (pid, [(id, verdict)]) after ``hold_ms``."""
@@ -304,12 +290,7 @@ def feeder(q, stop, base):
         for n in THREAD_SIZES:
             i = next(ids)
             item = (i, make_shared(i, n))
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.2)
-                    break
-                except queue.Full:
-                    pass
+            put_unless_stopped(q, item, stop)
             del item
 
 
@@ -350,12 +331,6 @@ class Helpers:
         finally:
             self.go.clear()
 
-    def _wait_turn(self):
-        while not self.stop_now.is_set():
-            if self.go.wait(0.05):
-                return True
-        return False
-
     def _keep(self, kept, i, a, kind, check):
         if check:
             v = verdict(i, a)
@@ -373,56 +348,27 @@ class Helpers:
 
     def _alloc(self, kept):
         ids = itertools.count(THREAD_IDS)
-        while self._wait_turn():
+        while wait_turn(self.go, self.stop_now):
             for n in THREAD_SIZES:
                 i = next(ids)
                 self._keep(kept, i, make_shared(i, n), "alloc", False)
 
     def _recv(self, kept):
-        while self._wait_turn():
-            try:
-                i, a = self.queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        for i, a in received(self.queue, self.go, self.stop_now):
             self._keep(kept, i, a, "recv", True)
             del a
 
     def stop(self):
         """Stop the threads and the feeder, let go of what they hold; problems (a list)."""
-        problems = []
-        self.stop_now.set()
-        for t in self.threads:
-            t.join(WAIT)
-            if t.is_alive():
-                problems.append(f"helper thread {t.name} did not stop within {WAIT} s")
+        problems = [f"helper thread {t.name} did not stop within {WAIT} s"
+                    for t in stop_threads(self.threads, self.stop_now, WAIT)]
         for kept in self.kept:
             del kept[:]
         if self.feeder is not None:
-            # The feeder may be blocked in put() until the window of what is in flight to
-            # us drains (channels/flow.py, whatever put's timeout): receive until it ends.
-            self.feeder_stop.set()
-            end = time.monotonic() + WAIT
-            while self.feeder.is_alive() and time.monotonic() < end:
-                try:
-                    self.queue.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-                except (OSError, EOFError):
-                    break
-            self.feeder.join(5)
-            if self.feeder.is_alive():
+            if not stop_feeder(self.feeder, self.feeder_stop, self.queue, WAIT):
                 problems.append(f"the feeder (pid {self.feeder.pid}) did not stop (killed)")
-                os.kill(self.feeder.pid, signal.SIGKILL)
-                self.feeder.join(5)
             elif self.feeder.exitcode != 0:
                 problems.append(f"the feeder exit code {self.feeder.exitcode}")
-            while True:                 # what it sent last, never received: let go
-                try:
-                    self.queue.get(timeout=0.2)
-                except (queue.Empty, OSError, EOFError):
-                    break
-            self.queue.close()
-            self.queue.join_thread()
             self.feeder = None
         if self.bad:
             problems.append(f"helper threads saw arrays whose bytes are not their own: "
@@ -661,7 +607,7 @@ class Driver:
         def collect():
             pid, proc, r = live.popleft()
             try:
-                rep = read_line(r, WAIT)
+                rep = read_json_line(r, WAIT)
             finally:
                 os.close(r)
             child = Child("burst", method, None, {}, proc=proc, pid=pid)

@@ -474,8 +474,9 @@ def fork_child(arrays, go_fd, out_fd, parents_fds, thread_lists=()):
     os.close(out_fd)
 
 
-def _read_report(fd, timeout):
-    """The fork child's report (a dict), or None if none came within ``timeout``."""
+def read_json_line(fd, timeout):
+    """A JSON line from ``fd`` (a fork child's report), or None if none came whole within
+    ``timeout`` s."""
     import select
     data, end = b"", time.monotonic() + timeout
     while not data.endswith(b"\n"):
@@ -607,7 +608,7 @@ def _fork_child_checked(ctx, n, c, arrays, lists, meanwhile, fstats, notes):
     try:
         result = meanwhile()
         os.write(go_w, b"g")
-        rep = _read_report(out_r, FORK_TIMEOUT)
+        rep = read_json_line(out_r, FORK_TIMEOUT)
     finally:
         os.close(go_w)
         os.close(out_r)
@@ -637,7 +638,6 @@ def threaded(n, fork_threads):
 def thread_feeder(q, stop, seed):
     """(a process of the forker) Make arrays of THREAD_CLASSES and put them, with their
     pattern specs, on ``q`` (bounded) for the forker's receiving thread, until ``stop``."""
-    import queue
     import sharedmp as mp
     k = 0
     while not stop.is_set():
@@ -646,13 +646,79 @@ def thread_feeder(q, stop, seed):
             a = mp.empty(spec[2], "<u8")
             a.fill(spec[0])                         # (its pattern: its id in every word)
             k += 1
-            while not stop.is_set():
-                try:
-                    q.put((a, spec), timeout=0.2)
-                    break
-                except queue.Full:
-                    pass
+            put_unless_stopped(q, (a, spec), stop)
             del a
+
+
+def put_unless_stopped(q, item, stop):
+    """Put ``item`` on the bounded ``q``, unless ``stop`` is set before there is room."""
+    import queue
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.2)
+            return
+        except queue.Full:
+            pass
+
+
+def wait_turn(go, stop):
+    """Wait until ``go`` is set (True) or ``stop`` is (False): a helper thread's turn."""
+    while not stop.is_set():
+        if go.wait(0.05):
+            return True
+    return False
+
+
+def received(q, go, stop):
+    """What comes on ``q`` while it is a helper thread's turn (``wait_turn``)."""
+    import queue
+    while wait_turn(go, stop):
+        try:
+            yield q.get(timeout=0.1)
+        except queue.Empty:
+            pass
+
+
+def stop_threads(threads, stop, timeout):
+    """Set ``stop`` and join each of ``threads`` (for up to ``timeout`` s); those still alive."""
+    stop.set()
+    left = []
+    for t in threads:
+        t.join(timeout)
+        if t.is_alive():
+            left.append(t)
+    return left
+
+
+def stop_feeder(feeder, stop, q, timeout):
+    """Stop the process ``feeder``, which puts arrays on ``q`` until ``stop`` is set
+    (SIGKILLed if it has not ended ``timeout`` + 5 s later), let go of what it sent and close
+    ``q``; whether it ended on its own."""
+    import queue
+    # The feeder may be blocked in put() until the window of what is in flight to us
+    # drains (channels/flow.py, whatever put's timeout): receive until it has ended.
+    stop.set()
+    end = time.monotonic() + timeout
+    while feeder.is_alive() and time.monotonic() < end:
+        try:
+            q.get(timeout=0.05)
+        except queue.Empty:
+            pass
+        except (OSError, EOFError):
+            break
+    feeder.join(5)
+    ended = not feeder.is_alive()
+    if not ended:
+        os.kill(feeder.pid, signal.SIGKILL)
+        feeder.join(5)
+    while True:                 # what it sent last, never received: let go
+        try:
+            q.get(timeout=0.2)
+        except (queue.Empty, OSError, EOFError):
+            break
+    q.close()
+    q.join_thread()
+    return ended
 
 
 class Helpers:
@@ -694,12 +760,6 @@ class Helpers:
         while sum(self.made) < goal and time.monotonic() < end and not self.errors:
             time.sleep(0.001)
 
-    def _turn(self):
-        while not self.stop_now.is_set():
-            if self.go.wait(0.05):
-                return True
-        return False
-
     def _keep(self, j, item):
         kept = self.kept[j]
         kept.append(item)
@@ -718,7 +778,7 @@ class Helpers:
 
     def _alloc(self, j):
         k = 0
-        while self._turn():
+        while wait_turn(self.go, self.stop_now):
             for _, nbytes in THREAD_CLASSES:
                 spec = (pattern_id(self.seed, "thread", j, k), np.dtype("<u8"), (nbytes // 8,),
                         ())
@@ -729,12 +789,7 @@ class Helpers:
                 del a
 
     def _recv(self, j):
-        import queue
-        while self._turn():
-            try:
-                a, spec = self.queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
+        for a, spec in received(self.queue, self.go, self.stop_now):
             self.checks[j][CHECKS] += 1
             self.checks[j][BAD] += not holds_word(a, spec)
             self._keep(j, (a, spec))
@@ -743,41 +798,16 @@ class Helpers:
     def stop(self, fstats, row):
         """Stop the threads and the feeder, let go of what they hold, count what they did
         (``fstats``; their pattern checks in ``row``); problems (a list)."""
-        import queue
         problems = list(self.errors)
-        self.stop_now.set()
-        for t in self.threads:
-            t.join(FORK_TIMEOUT)
-            if t.is_alive():
-                problems.append(f"forker: helper thread {t.name} did not stop")
+        for t in stop_threads(self.threads, self.stop_now, FORK_TIMEOUT):
+            problems.append(f"forker: helper thread {t.name} did not stop")
         for kept in self.kept:
             for a, spec in kept:
                 self.checks[0][CHECKS] += 1
                 self.checks[0][BAD] += not holds_word(a, spec)
             del kept[:]
-        # The feeder may be blocked in put() until the window of what is in flight to us
-        # drains (channels/flow.py, whatever put's timeout): receive until it has ended.
-        self.feeder_stop.set()
-        end = time.monotonic() + FORK_TIMEOUT
-        while self.feeder.is_alive() and time.monotonic() < end:
-            try:
-                self.queue.get(timeout=0.05)
-            except queue.Empty:
-                pass
-            except (OSError, EOFError):
-                break
-        self.feeder.join(5)
-        if self.feeder.is_alive():
+        if not stop_feeder(self.feeder, self.feeder_stop, self.queue, FORK_TIMEOUT):
             problems.append("forker: the thread feeder did not stop (killed)")
-            os.kill(self.feeder.pid, signal.SIGKILL)
-            self.feeder.join(5)
-        while True:                 # what it sent last, never received: let go
-            try:
-                self.queue.get(timeout=0.2)
-            except (queue.Empty, OSError, EOFError):
-                break
-        self.queue.close()
-        self.queue.join_thread()
         fstats[F_THREAD_ARRAYS] += sum(self.made)
         row[CHECKS] += sum(c[CHECKS] for c in self.checks)
         row[BAD] += sum(c[BAD] for c in self.checks)
