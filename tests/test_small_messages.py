@@ -77,12 +77,30 @@ def _dumped(obj):
     return bytes(payload), [os.dup(fd) for fd in fds], kind
 
 
-def test_shared_arrays_never_travel_by_value():
-    a = mp.zeros(3)
+def _received_shared():
+    x, y = mp.Pipe()
+    with x, y:
+        x.send(mp.full(3, 1.0))
+        return y.recv()
+
+
+# Every small shared array a program can hold: encode_array's shortcut (an array that owns its
+# memory goes by value at once) must take none of them.
+SHARED = [("zeros", lambda: mp.zeros(3)), ("full", lambda: mp.full(3, 2.0)),
+          ("empty_like", lambda: mp.empty_like(np.ones(3))), ("share", lambda: mp.share(np.ones(3))),
+          ("a view", lambda: mp.zeros(6)[::2]), ("received", _received_shared),
+          ("a view of a view", lambda: mp.zeros((3, 4))[1][::2])]
+
+
+@pytest.mark.parametrize("make", [m for _, m in SHARED], ids=[n for n, _ in SHARED])
+def test_shared_arrays_never_travel_by_value(make):
+    a = make()
+    a[...] = 0
     x, y = mp.Pipe()
     with x, y:
         x.send(a)
         got = y.recv()
+    assert mp.is_shared(got)
     got[0] = 7
     assert a[0] == 7                                          # the same memory
 
