@@ -143,7 +143,7 @@ def test_process_start_rows_measured(tiny_run):
             elif w["kind"] == "frame":         # ms per message, best of n messages per run
                 assert r["ms"] > 0 and r["n"] == w["n"] >= 2 and w["rows"] == 100_000
                 assert r["bytes"] > 9 * 8 * w["rows"]       # 8 float64 columns and strings
-            elif w["kind"] == "small":         # us, best of 3 runs at least; p90 or rate
+            elif w["kind"] == "small":         # us (the best of runs); p90 or rate
                 assert r["us"] > 0 and r["n"] == w["n"] >= 200
                 assert len(r["runs_us"]) == 1      # (a tiny run: one run of each)
                 assert ("p90_us" in r) == (w["case"] in ("pingpong", "executor_one"))
