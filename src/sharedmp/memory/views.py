@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 def mapping_of(a: NDArray[Any]) -> tuple[Any, Segment | None]:
     """(mapping, Segment) of the shared memory under ndarray ``a``, or (None, None)."""
+    if a.base is None:                    # owns its memory (NumPy's heap): never shared
+        return None, None
     seg = segment.segment_of(a.base)      # the usual case: a view of a lease or of a mapping
     if seg is not None:
         return a.base, seg

@@ -148,8 +148,6 @@ def encode_array(a, fds):
     code = _code(a.dtype)
     if code is None:
         return None
-    if a.base is None and a.nbytes <= wire.INBAND_MAX:
-        return _encode_value(a, code)        # owns its memory (NumPy's heap): not shared
     mapping, seg = mapping_of(a)
     if seg is None and a.nbytes <= wire.INBAND_MAX:
         return _encode_value(a, code)        # small and not shared: by value

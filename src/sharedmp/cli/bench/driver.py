@@ -242,7 +242,8 @@ def _measure_start(report, plan, runs, timeout):
     """The program rows (``start.py``: process start, data frames): each run a fresh program;
     sharedmp's runs of a row, then its baseline's; a row whose modules are missing, n/a."""
     import tempfile
-    section = report["start"] = {"workloads": plan, "runs": runs, "results": {}, "ratios": {}}
+    section = report["start"] = {"workloads": plan, "runs": runs, "results": {}, "ratios": {},
+                                 "vs": {}}
     with tempfile.TemporaryDirectory(prefix="sharedmp-bench-") as directory:
         paths = start.scripts(directory)
         for w in plan:
@@ -260,7 +261,7 @@ def _measure_start(report, plan, runs, timeout):
             vs = {s: mine / res[s][key] if mine and res[s].get(key) else None
                   for s in systems[1:]}
             section["ratios"][w["id"]] = vs[w["baseline"]]
-            section.setdefault("vs", {})[w["id"]] = vs
+            section["vs"][w["id"]] = vs
             for s in systems:
                 r = res[s]
                 shown = f"{fmt_num(r[key])} {w['unit']}" if r["status"] == "ok" else \

@@ -122,8 +122,8 @@ FRAME_ROWS = 1_000_000            # F1-F3: 8 float64 columns + 1 string column, 
 def _small(wid, n, case, item, title, **more):
     """An L row: against the standard library, and torch.multiprocessing unless ``also``
     says otherwise."""
-    return dict(dict(id=wid, n=n, kind="small", case=case, item=item, baseline="stdlib",
-                     also=["torch_mp"], unit="us", title=title), **more)
+    return {"id": wid, "n": n, "kind": "small", "case": case, "item": item,
+            "baseline": "stdlib", "also": ["torch_mp"], "unit": "us", "title": title, **more}
 
 
 START_WORKLOADS = [
