@@ -239,3 +239,63 @@ def get_then_set(q, started, got):
     started.set()
     q.get()
     got.set()
+
+
+# -- a queue's rings (board.py): messages of every path from one producer ---------------
+
+def mixed_item(producer, seq):
+    """The seq-th message of a producer, by every path a queue has: a tuple and a small
+    array (its ring), a shared array (fds: the socket), 40 KB of bytes (over a ring's
+    record) and 200 KB (a frame whose payload lies in a memfd)."""
+    kind = seq % 5
+    if kind == 0:
+        return (producer, seq, producer * 100_000 + seq)
+    if kind == 1:
+        return (producer, seq, np.full(8, producer * 100_000 + seq, dtype=np.int64))
+    if kind == 2:
+        return (producer, seq, mp.full(8, producer * 100_000 + seq, dtype=np.int64))
+    return (producer, seq, tag_bytes(producer, seq, 40_000 if kind == 3 else 200_000))
+
+
+def mixed_ok(item):
+    producer, seq, value = item
+    want = mixed_item(producer, seq)[2]
+    if isinstance(want, np.ndarray):
+        return isinstance(value, np.ndarray) and bool((value == want).all()) and \
+            mp.is_shared(value) == (seq % 5 == 2)
+    return value == want
+
+
+def produce_mixed(q, producer, n, pause_every=0, hold=None):
+    """put mixed_item(producer, 0..n-1) (pausing 1 ms every ``pause_every``); with ``hold``
+    (an Event), put the first one, wait for it, then the rest: all such producers are alive
+    together."""
+    for seq in range(n):
+        q.put(mixed_item(producer, seq))
+        if hold is not None and seq == 0:
+            hold.wait(TIMEOUT)
+        if pause_every and seq % pause_every == 0:
+            import time
+            time.sleep(0.001)
+
+
+def consume_mixed(q, out):
+    """Get items until None; put ("ok", [(producer, seq, ok), ...]) on ``out``."""
+    def run():
+        got = []
+        while True:
+            item = q.get(timeout=TIMEOUT)
+            if item is None:
+                return got
+            got.append((item[0], item[1], mixed_ok(item)))
+    _report(out, run)
+
+
+def produce_forever(q, ready):
+    """put (seq, small array) as fast as it can until killed."""
+    seq = 0
+    while True:
+        q.put((seq, np.full(16, seq, dtype=np.int64)))
+        if seq == 100:
+            ready.set()
+        seq += 1

@@ -27,6 +27,7 @@ JOBLIB_IDLE = "SHAREDMP_JOBLIB_IDLE"
 RECYCLE_BYTES = "SHAREDMP_RECYCLE_BYTES"
 WINDOW_BYTES = "SHAREDMP_WINDOW_BYTES"
 SPIN_US = "SHAREDMP_SPIN_US"
+QUEUE_RINGS = "SHAREDMP_QUEUE_RINGS"
 KEEP_ORPHANS = "SHAREDMP_KEEP_ORPHANS"
 CUDA_EXIT_TIMEOUT = "SHAREDMP_CUDA_EXIT_TIMEOUT"
 CUDA_EXIT_UNCLAIMED = "SHAREDMP_CUDA_EXIT_UNCLAIMED"
@@ -88,6 +89,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "docs/reference.md: mp.Pipe)"),
     Variable(SPIN_US, 50.0, _number(0, 1e6),
              "a number of microseconds from 0 (no spinning) to 1000000"),
+    Variable(QUEUE_RINGS, True, _flag,
+             "1 (or unset) for queues whose small messages travel through rings in shared "
+             "memory, or 0 for queues that send every message through their socket"),
     Variable(KEEP_ORPHANS, False, _flag,
              "1 to let children outlive their parent, or 0 (or unset) for children that "
              "die with it"),

@@ -158,6 +158,8 @@ static void drain(int fd)
 static int wake(int fd)
 {
     uint64_t one = 1;
+    if (fd < 0)
+        return 0;
     if (write(fd, &one, sizeof one) < 0 && errno != EAGAIN) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
@@ -201,6 +203,8 @@ static int await_ready(Ring *self, uint64_t need, long long deadline)
             Py_END_ALLOW_THREADS
             continue;
         }
+        if (fd < 0)             /* (no eventfds: a ring that never sleeps, channels/board.py) */
+            return 0;
         drain(fd);
         atomic_store(flag, 1);
         atomic_thread_fence(memory_order_seq_cst);
@@ -568,6 +572,26 @@ static PyObject *Ring_set_watch(Ring *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* This side's counter read again from the header, and the other's: for processes that take
+   turns on one side under a lock of their own (channels/board.py). Checked as at attach. */
+static PyObject *Ring_resync(Ring *self, PyObject *Py_UNUSED(ignored))
+{
+    if (enter(self, -1) < 0)
+        return NULL;
+    uint64_t h = atomic_load_explicit(self->head, memory_order_acquire);
+    uint64_t t = atomic_load_explicit(self->tail, memory_order_acquire);
+    int bad = (h & 7) || (t & 7) || t - h > self->cap || (h >> 63);
+    if (!bad) {
+        self->pos = self->writer ? t : h;
+        self->seen = h;
+    }
+    leave(self);
+    if (bad)
+        return PyErr_Format(self->protocol_error, "ring: impossible counters in the header "
+                            "(head %llu, tail %llu)", (unsigned long long)h, (unsigned long long)t);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_counters(Ring *self, PyObject *Py_UNUSED(ignored))
 {
     return Py_BuildValue("(KK)", (unsigned long long)self->pos, (unsigned long long)self->seen);
@@ -591,7 +615,8 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
                                      &efd_data, &efd_space, &spin_us))
         return -1;
     if (cap < 64 || (cap & (cap - 1)) || cap > ((unsigned long long)1 << 40) ||
-            efd_data < 0 || efd_space < 0 || !(spin_us >= 0 && spin_us <= 1e6)) {
+            efd_data < -1 || efd_space < -1 || (efd_data < 0) != (efd_space < 0) ||
+            !(spin_us >= 0 && spin_us <= 1e6)) {
         PyErr_SetString(PyExc_ValueError, "Ring: bad capacity, eventfd or spin");
         return -1;
     }
@@ -690,6 +715,7 @@ static PyMethodDef Ring_methods[] = {
     {"fileno", (PyCFunction)Ring_fileno, METH_NOARGS, "the eventfd this side waits on"},
     {"_eventfds", (PyCFunction)Ring_eventfds, METH_NOARGS, "(data, space) eventfds"},
     {"watch", (PyCFunction)Ring_set_watch, METH_O, "watch(fd or None) (see ring.py)"},
+    {"_resync", (PyCFunction)Ring_resync, METH_NOARGS, "read the counters again (see board.py)"},
     {"_counters", (PyCFunction)Ring_counters, METH_NOARGS, "(this side's, the other's as seen)"},
     {NULL, NULL, 0, NULL},
 };
@@ -710,6 +736,196 @@ static PyType_Slot Ring_slots[] = {
     {Py_tp_members, Ring_members},
     {Py_tp_doc, "The compiled core of channels.ring.Ring (use that)."},
     {0, NULL},
+};
+
+/* -- a queue's board (channels/board.py: the layout, the protocol, the twins) ----------- */
+#define B_RINGS 4096
+#define B_USED 64
+#define B_TAKEN 72              /* u32: tagged frames the consumers took */
+#define B_XSENT 76              /* u32: frames sent by producers without a slot */
+#define B_TABLE 256             /* per slot 16 bytes: u32 frames sent by its owners */
+#define B_REC 9                 /* a record's kind u8, stamp u64 */
+#define B_TAGGED 0x10
+
+static inline uint64_t le64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = v << 8 | p[i];
+    return v;
+}
+
+typedef struct {
+    unsigned char *base;
+    uint64_t slots, cap;
+    uint32_t used;
+    PyObject *protocol_error;
+} board;
+
+/* The mapping of a board, checked; -1 with an exception set. */
+static int board_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want,
+                    Py_buffer *b, board *bd)
+{
+    state *st = PyModule_GetState(module);
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, "board function: wrong number of arguments");
+        return -1;
+    }
+    bd->slots = PyLong_AsUnsignedLongLong(args[1]);
+    bd->cap = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred())
+        return -1;
+    if (bd->slots == 0 || bd->slots > 64 || bd->cap < 1024 || bd->cap > (1u << 30) ||
+            (bd->cap & (bd->cap - 1))) {
+        PyErr_SetString(PyExc_ValueError, "board: bad slots or capacity");
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[0], b, PyBUF_WRITABLE) < 0)
+        return -1;
+    bd->base = b->buf;
+    bd->protocol_error = st->protocol_error;
+    if ((uint64_t)b->len < B_RINGS + bd->slots * (HEADER + bd->cap) || ((uintptr_t)bd->base & 63)) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_ValueError, "board: the mapping is smaller than a board");
+        return -1;
+    }
+    bd->used = atomic_load_explicit(word32(bd->base, B_USED), memory_order_acquire);
+    if (bd->used > bd->slots) {
+        PyBuffer_Release(b);
+        PyErr_Format(st->protocol_error, "a queue's board says %u of its %llu slots are used",
+                     bd->used, (unsigned long long)bd->slots);
+        return -1;
+    }
+    return 0;
+}
+
+static int lie(board *bd)
+{
+    PyErr_SetString(bd->protocol_error, "a queue's board: a ring's counters or records are "
+                    "impossible (a hostile or corrupt peer); the queue is unusable");
+    return -1;
+}
+
+/* Slot s's front record: 1 and where it is (*at: its length word, *skip: a wrap's bytes
+   first, *len), 0 if its ring is empty, -1 on a lie. */
+static int front(board *bd, uint64_t s, uint64_t *h_out, uint64_t *skip, uint64_t *p_out,
+                 uint32_t *len_out)
+{
+    uint64_t cap = bd->cap;
+    unsigned char *r = bd->base + B_RINGS + s * (HEADER + cap), *data = r + HEADER;
+    uint64_t h = atomic_load_explicit(word64(r, O_HEAD), memory_order_acquire);
+    uint64_t t = atomic_load_explicit(word64(r, O_TAIL), memory_order_acquire);
+    if (h == t)
+        return 0;
+    if ((h & 7) || (t & 7) || t - h > cap)
+        return lie(bd);
+    uint64_t p = h & (cap - 1);
+    *skip = 0;
+    uint32_t len = atomic_load_explicit(word32(data, p), memory_order_relaxed);
+    if (len == MARKER) {
+        *skip = cap - p;
+        if (p == 0 || t - h <= *skip)
+            return lie(bd);
+        p = 0;
+        len = atomic_load_explicit(word32(data, 0), memory_order_relaxed);
+    }
+    uint64_t rec = align8(4 + (uint64_t)len);
+    if (len < B_REC || len > cap / 4 || p + rec > cap || t - h - *skip < rec || data[p + 4] >= B_TAGGED)
+        return lie(bd);
+    *h_out = h;
+    *p_out = p;
+    *len_out = len;
+    return 1;
+}
+
+/* board_first(mapping, slots, capacity) -> (slot, stamp, frames waiting): the ring record
+   with the smallest stamp (slot -1: none), looked for until a look finds no smaller one (a
+   record published before it is then seen), and whether tagged frames wait in the socket
+   (counted after). The consumers' lock held. board.py's _first_py is its twin. */
+static PyObject *board_first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer b;
+    board bd;
+    if (board_of(module, args, nargs, 3, &b, &bd) < 0)
+        return NULL;
+    long long best = -1;
+    uint64_t best_stamp = 0;
+    for (int pass = 0; pass < 64; pass++) {
+        long long was = best;
+        uint64_t was_stamp = best_stamp;
+        best = -1;
+        for (uint64_t s = 0; s < bd.used; s++) {
+            uint64_t h, skip, p;
+            uint32_t len;
+            int r = front(&bd, s, &h, &skip, &p, &len);
+            if (r < 0) {
+                PyBuffer_Release(&b);
+                return NULL;
+            }
+            if (r == 0)
+                continue;
+            unsigned char *data = bd.base + B_RINGS + s * (HEADER + bd.cap) + HEADER;
+            uint64_t stamp = le64(data + p + 5);
+            if (best < 0 || stamp < best_stamp) {
+                best = (long long)s;
+                best_stamp = stamp;
+            }
+        }
+        if (best == was && best_stamp == was_stamp)
+            break;
+    }
+    uint32_t sent = atomic_load_explicit(word32(bd.base, B_XSENT), memory_order_acquire);
+    for (uint64_t s = 0; s < bd.used; s++)
+        sent += atomic_load_explicit(word32(bd.base, B_TABLE + 16 * s), memory_order_acquire);
+    uint32_t taken = atomic_load_explicit(word32(bd.base, B_TAKEN), memory_order_relaxed);
+    PyBuffer_Release(&b);
+    return Py_BuildValue("(LKO)", best, (unsigned long long)best_stamp,
+                         sent != taken ? Py_True : Py_False);
+}
+
+/* board_pop(mapping, slots, capacity, slot) -> (kind, payload): slot's front record, taken
+   (board_first found it; the consumers' lock held). Twin: board.py's _pop_py. */
+static PyObject *board_pop(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer b;
+    board bd;
+    if (board_of(module, args, nargs, 4, &b, &bd) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    unsigned long long s = PyLong_AsUnsignedLongLong(args[3]);
+    uint64_t h, skip, p;
+    uint32_t len;
+    if (PyErr_Occurred())
+        goto done;
+    if (s >= bd.used) {
+        PyErr_SetString(PyExc_ValueError, "board_pop: no such slot");
+        goto done;
+    }
+    int r = front(&bd, s, &h, &skip, &p, &len);
+    if (r <= 0) {
+        if (r == 0)
+            PyErr_SetString(PyExc_RuntimeError, "board_pop: the ring is empty");
+        goto done;
+    }
+    unsigned char *ring = bd.base + B_RINGS + s * (HEADER + bd.cap), *q = ring + HEADER + p + 4;
+    PyObject *payload = PyBytes_FromStringAndSize((const char *)q + B_REC, len - B_REC);
+    if (payload == NULL)
+        goto done;
+    atomic_store_explicit(word64(ring, O_HEAD), h + skip + align8(4 + (uint64_t)len),
+                          memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
+    out = Py_BuildValue("(IN)", (unsigned)q[0], payload);
+done:
+    PyBuffer_Release(&b);
+    return out;
+}
+
+static PyMethodDef module_functions[] = {
+    {"board_first", (PyCFunction)(void (*)(void))board_first, METH_FASTCALL,
+     "board_first(mapping, slots, capacity) -> (slot, stamp, frames waiting) (board.py)"},
+    {"board_pop", (PyCFunction)(void (*)(void))board_pop, METH_FASTCALL,
+     "board_pop(mapping, slots, capacity, slot) -> (kind, payload) (board.py)"},
+    {NULL, NULL, 0, NULL},
 };
 
 static PyType_Spec Ring_spec = {
@@ -771,7 +987,7 @@ static PyModuleDef_Slot slots[] = {
 
 static struct PyModuleDef ring_module = {
     PyModuleDef_HEAD_INIT, "sharedmp._cring", "SPSC byte ring in shared memory (see ring.py)",
-    sizeof(state), NULL, slots, m_traverse, m_clear, NULL,
+    sizeof(state), module_functions, slots, m_traverse, m_clear, NULL,
 };
 
 PyMODINIT_FUNC PyInit__cring(void) { return PyModuleDef_Init(&ring_module); }

@@ -28,6 +28,7 @@ from .. import settings, wire
 from ..memory import cache, manager
 from ..wire import dumps, loads
 from . import fdpass, flow
+from .board import _Locked as board_lock
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
@@ -87,6 +88,13 @@ class Connection:
         self._window: flow.Window | None = None
         self._readable = readable
         self._writable = writable
+        self._board: Any = None             # a queue's rings (board.py), and its _rlock
+        self._rlock: Any = None
+
+    def _use_board(self, board: Any, rlock: Any) -> None:
+        """(queues.py) This end's messages go through ``board`` too; its consumers take
+        turns under ``rlock``."""
+        self._board, self._rlock = board.use(), rlock
 
     def __repr__(self) -> str:
         state = "closed" if self._sock is None else f"fd={self._sock.fileno()}"
@@ -114,7 +122,11 @@ class Connection:
         return self._sock
 
     def fileno(self) -> int:
-        return self._check().fileno()
+        sock = self._check()
+        if self._board is not None and self._readable:
+            # (what multiprocessing.connection.wait and select wait on: board.arm)
+            return self._board.arm(sock, self._rlock, self._sock_ready)  # type: ignore[no-any-return]
+        return sock.fileno()
 
     def close(self) -> None:
         if self._sock is not None:
@@ -122,6 +134,9 @@ class Connection:
             sock.close()
             if self._window is not None:
                 self._window.close()
+            if self._board is not None:
+                board, self._board = self._board, None
+                board.release()
 
     def __del__(self) -> None:
         # Dropped without close(): closed silently, as the standard library's Connection
@@ -148,17 +163,31 @@ class Connection:
     def send_packed(self, payload: ReadableBuffer, fds: Sequence[int] = (), flags: int = 0,
                     flight: int | None = None) -> None:
         """Send a packed message, waiting while the socket is full or the window passed."""
-        fdpass.send_frame(self._check(write=True), payload, fds, flags, self.window(), flight)
+        sock = self._check(write=True)
+        if self._board is not None:
+            self._board.send(sock, self.window(), payload, fds, flags, flight, True)
+        else:
+            fdpass.send_frame(sock, payload, fds, flags, self.window(), flight)
         cache.tick()                            # (a pass of the caches, if one is due)
 
     def try_send_packed(self, payload: ReadableBuffer, fds: fdpass.Fds, flags: int) -> bool:
         """Send it now if that needs no wait; False, with nothing sent, otherwise."""
-        return fdpass.try_send_frame(self._check(write=True), payload, fds, flags, self.window())
+        sock = self._check(write=True)
+        if self._board is not None:
+            return self._board.send(sock, self.window(), payload, fds, flags, None,  # type: ignore[no-any-return]
+                                    False)
+        return fdpass.try_send_frame(sock, payload, fds, flags, self.window())
 
     def recv_packed_nowait(self) -> tuple[bytes | bytearray, list[int], int]:
         """The next frame if one is there; BlockingIOError if none is (or another reader took
         it first)."""
-        return fdpass.recv_frame(self._check(read=True), block=False)
+        sock = self._check(read=True)
+        if self._board is not None:     # (the caller holds the queue's _rlock)
+            frame = self._board.take(sock)
+            if frame is None:
+                raise BlockingIOError
+            return frame  # type: ignore[no-any-return]
+        return fdpass.recv_frame(sock, block=False)
 
     def __enter__(self) -> Connection:
         return self
@@ -170,7 +199,10 @@ class Connection:
         """Send a picklable object; the fds of the arrays in it travel in the same message."""
         sock = self._check(write=True)          # (send_packed's steps inline: the hot path)
         payload, fds, flags = dumps(obj, self._tokens)
-        fdpass.send_frame(sock, payload, fds, flags, self.window())
+        if self._board is not None:
+            self._board.send(sock, self.window(), payload, fds, flags, None, True)
+        else:
+            fdpass.send_frame(sock, payload, fds, flags, self.window())
         cache.tick()                            # (a pass of the caches, if one is due)
 
     def recv(self) -> Any:
@@ -182,6 +214,14 @@ class Connection:
     def _recv_frame(self, sock: socket.socket) -> tuple[bytes | bytearray, list[int], int]:
         """The next frame: read at once if there, else after a spin (see SPIN), else waited
         for."""
+        board = self._board
+        if board is not None:
+            while True:
+                with board_lock(self._rlock):
+                    frame = board.take(sock)
+                if frame is not None:
+                    return frame  # type: ignore[no-any-return]
+                board.wait(sock, self._rlock, None, self._sock_ready, spin_seconds())
         try:
             return fdpass.recv_frame(sock, block=False)
         except BlockingIOError:
@@ -198,7 +238,11 @@ class Connection:
             size = len(m) - offset
         elif size < 0 or offset + size > len(m):
             raise ValueError("size is out of bounds" if size >= 0 else "size is negative")
-        fdpass.send_frame(sock, m[offset:offset + size], window=self.window())
+        if self._board is not None:
+            self._board.send(sock, self.window(), bytes(m[offset:offset + size]), (), 0, None,
+                             True)
+        else:
+            fdpass.send_frame(sock, m[offset:offset + size], window=self.window())
         cache.tick()
 
     def _recv_bytes(self, maxlength: int | None = None) -> bytes | bytearray:
@@ -235,6 +279,11 @@ class Connection:
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(sock, select.POLLIN)
+        if self._board is not None:
+            got = self._board.wait(sock, self._rlock, timeout, self._sock_ready, spin_seconds())
+            if not got and timeout == 0:
+                cache.tick()
+            return got  # type: ignore[no-any-return]
         ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
         try:
             if self._poller.poll(0):
@@ -249,6 +298,17 @@ class Connection:
             own = select.poll()
             own.register(sock, select.POLLIN)
             return self._wait(own, timeout)
+
+    def _sock_ready(self) -> bool:
+        """Whether the socket has a frame (or its end) now."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = select.poll()
+            poller.register(self._check(), select.POLLIN)
+        try:
+            return bool(poller.poll(0))
+        except RuntimeError:      # (another thread waits with it)
+            return bool(select.select([self._check()], [], [], 0)[0])
 
     @staticmethod
     def _wait(poller: select.poll, timeout: float | None) -> bool:
@@ -286,21 +346,32 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
 
 # A Connection pickles as its socket: in band on a sharedmp channel, else as a DupFd
 # (while spawning it goes along with the child's fds, as multiprocessing's does).
+# A queue's end goes with its board (board.py: pickled once for both ends) and the queue's
+# _rlock (queues pickle only while spawning, as multiprocessing's: so does the lock).
 def reduce_connection(
-        conn: Connection) -> tuple[Callable[..., Connection], tuple[Any, bool, bool]]:
+        conn: Connection) -> tuple[Callable[..., Connection], tuple[Any, ...]]:
     oob = wire.current()
+    fd = conn._check().fileno()
+    board = None if conn._board is None else (conn._board, conn._rlock)
     if oob is not None:
-        return rebuild_connection_in_band, (oob.add(conn.fileno()), conn.readable, conn.writable)
-    return rebuild_connection, (DupFd(conn.fileno()), conn.readable, conn.writable)
+        return rebuild_connection_in_band, (oob.add(fd), conn.readable, conn.writable, board)
+    return rebuild_connection, (DupFd(fd), conn.readable, conn.writable, board)
 
 
 # (dupfd: what DupFd() made)
-def rebuild_connection(dupfd: Any, readable: bool, writable: bool) -> Connection:
-    return Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
+def rebuild_connection(dupfd: Any, readable: bool, writable: bool,
+                       board: tuple[Any, Any] | None = None) -> Connection:
+    conn = Connection(socket.socket(fileno=dupfd.detach()), readable, writable)
+    if board is not None:
+        conn._use_board(*board)
+    return conn
 
 
-def rebuild_connection_in_band(index: int, readable: bool, writable: bool) -> Connection:
+def rebuild_connection_in_band(index: int, readable: bool, writable: bool,
+                               board: tuple[Any, Any] | None = None) -> Connection:
     # (a sharedmp channel unpickles)
     fd = os.dup(wire.current().get(index))  # type: ignore[union-attr]
-    return Connection(socket.socket(fileno=fd), readable, writable)
-
+    conn = Connection(socket.socket(fileno=fd), readable, writable)
+    if board is not None:
+        conn._use_board(*board)
+    return conn

@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 #
 #   record  header <2sBBIQ: magic b"SM", version, flags, fd count, payload length (16
 #           bytes); then the payload when it fits in RECORD bytes; with the fds (SCM_RIGHTS)
-#   flags   low 5 bits (KIND): what the payload is (0 a pickle; wire.py names others)
+#   flags   low 5 bits (KIND): what the payload is (0 a pickle; wire.py names 1-15)
+#           TAGGED (in KIND's bits): a queue's frame whose payload starts with the 8-byte tag
+#             of its marker in the sender's ring (board.py)
 #           FLIGHT_TOKEN: the record carries a flight token (flow.py) after the message's fds
 #             (or their socket): the receiver closes it once it has read the record
 #           PAYLOAD_IN_MEMFD: the payload lies in a memfd sealed against shrinking, the
@@ -53,6 +55,7 @@ _OFFSET = struct.Struct("<Q")
 MAGIC = b"SM"
 VERSION = 3
 KIND = 0x1F
+TAGGED = 0x10
 FLIGHT_TOKEN = 0x20
 PAYLOAD_IN_MEMFD = 0x40
 FDS_ON_SOCKET = 0x80

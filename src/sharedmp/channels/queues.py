@@ -36,11 +36,12 @@ try:
 except ImportError:  # pragma: no cover
     SEM_VALUE_MAX = 2 ** 31 - 1
 
-from .. import _compat, forks
+from .. import _compat, forks, settings
 from .. import fds as _fds
 from ..memory import cache
 from ..wire import loads
 from . import fdpass
+from .board import Board
 from .connection import Pipe
 
 if TYPE_CHECKING:
@@ -147,12 +148,27 @@ def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
             raise Empty
 
 
+def _pipe(rlock: Lock) -> tuple[Connection, Connection]:
+    """A queue's two ends, with a board (board.py) unless $SHAREDMP_QUEUE_RINGS is 0."""
+    reader, writer = Pipe(duplex=False)
+    if settings.get(settings.QUEUE_RINGS):
+        try:
+            board = Board.create()
+        except BaseException:
+            reader.close()
+            writer.close()
+            raise
+        reader._use_board(board, rlock)
+        writer._use_board(board, rlock)
+    return reader, writer
+
+
 class SimpleQueue:
     """A queue with put/get/empty/close and no buffering thread: put() is synchronous."""
 
     def __init__(self, *, ctx: BaseContext) -> None:
-        self._reader, self._writer = Pipe(duplex=False)
         self._rlock = ctx.Lock()         # taken by get() (see _get_frame) and by Pool
+        self._reader, self._writer = _pipe(self._rlock)
 
     def __getstate__(self) -> tuple[Connection, Connection, Lock]:
         _mpcontext.assert_spawning(self)
@@ -185,8 +201,8 @@ class Queue:
         if maxsize <= 0:
             maxsize = SEM_VALUE_MAX
         self._maxsize = maxsize
-        self._reader, self._writer = Pipe(duplex=False)
         self._rlock = ctx.Lock()         # taken by get() (see _get_frame)
+        self._reader, self._writer = _pipe(self._rlock)
         self._sem = ctx.BoundedSemaphore(maxsize)
         self._creator = os.getpid()
         self._ignore_epipe = False

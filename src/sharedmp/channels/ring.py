@@ -1,7 +1,8 @@
 """A single-producer/single-consumer byte ring in shared memory: one process puts records
 (bytes), another gets them, in order, with no syscall while the stream is busy.
 
-The transport under a channel's records that carry no fds (wired in by a later change).
+A queue's producers each write one (board.py: a queue's rings, read by its consumers in
+turn through ``_cring.board_first``/``board_pop``, which read this layout in place).
 Two implementations of one protocol, interchangeable across processes (a compiled writer
 and a pure-Python reader share a ring, and the reverse): ``sharedmp._cring`` (C,
 ``_c/cring.c``) and ``PyRing`` here, the reference. ``Ring`` is the compiled one unless
@@ -110,6 +111,8 @@ def _fence() -> None:
 
 
 def _drain(fd: int) -> None:
+    if fd < 0:
+        return
     try:
         os.eventfd_read(fd)
     except BlockingIOError:
@@ -117,6 +120,8 @@ def _drain(fd: int) -> None:
 
 
 def _wake(fd: int) -> None:
+    if fd < 0:
+        return
     try:
         os.eventfd_write(fd, 1)
     except BlockingIOError:         # (the counter full: already woken)
@@ -130,7 +135,8 @@ class PyRing:
     def __init__(self, mapping: Any, writer: bool, capacity: int, efd_data: int,
                  efd_space: int, spin_us: float) -> None:
         mv = memoryview(mapping).cast("B")
-        if mv.readonly or len(mv) < HEADER + capacity or capacity & (capacity - 1):
+        if mv.readonly or len(mv) < HEADER + capacity or capacity & (capacity - 1) or \
+                min(efd_data, efd_space) < -1 or (efd_data < 0) != (efd_space < 0):
             raise ValueError("Ring: bad mapping or capacity")
         self._mv = mv
         self._q = mv[:HEADER].cast("Q")
@@ -140,6 +146,7 @@ class PyRing:
         self._cap = capacity
         self._limit = capacity // 4
         self._writer = bool(writer)
+        self._released = False
         head, tail = self._q[O_HEAD // 8], self._q[O_TAIL // 8]
         if head & 7 or tail & 7 or (tail - head) % 2**64 > capacity or head >> 63:
             self._release_views()
@@ -208,6 +215,8 @@ class PyRing:
                     if self._ready(need):
                         return True
                 continue
+            if fd < 0:              # (no eventfds: a ring that never sleeps, board.py)
+                return False
             _drain(fd)
             self._i[flag] = 1
             _fence()
@@ -251,15 +260,17 @@ class PyRing:
                 self._release()
 
     def _release_views(self) -> None:
+        self._released = True
         for v in (self._di, self._data, self._i, self._q, self._mv):
             v.release()
 
     def _release(self) -> None:
         """(lock held) Let go of the mapping and close the eventfds, once."""
-        if self._efd_data >= 0:
+        if not self._released:
             self._release_views()
             for fd in (self._efd_data, self._efd_space):
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             self._efd_data = self._efd_space = -1
 
     # -- the writer --
@@ -402,6 +413,19 @@ class PyRing:
         if self._closed or self._forked_:
             raise OSError("ring is closed")
         return self._efd_data, self._efd_space
+
+    def _resync(self) -> None:
+        """This side's counter read again from the header, and the other's: for processes
+        that take turns on one side under a lock of their own (board.py)."""
+        self._enter(None)
+        try:
+            h, t = self._q[O_HEAD // 8], self._q[O_TAIL // 8]
+            if h & 7 or t & 7 or (t - h) % 2**64 > self._cap or h >> 63:
+                raise ProtocolError(f"ring: impossible counters in the header (head {h}, "
+                                    f"tail {t})")
+            self._pos, self._seen = (t if self._writer else h), h
+        finally:
+            self._leave()
 
     def _counters(self) -> tuple[int, int]:
         return self._pos, self._seen

@@ -111,6 +111,11 @@ def check_native():
     paths = native.status()
     compiled = all(v == "compiled" for v in paths.values())
     detail = ", ".join(f"{k}: {v}" for k, v in paths.items())
+    from .. import settings
+    from ..channels import board
+    detail += (f"; queues: small messages through rings ({board.SLOTS} producers' rings of "
+               f"{board.CAPACITY >> 10} KiB a queue)" if settings.get(settings.QUEUE_RINGS)
+               else f"; queues: every message through the socket (${settings.QUEUE_RINGS}=0)")
     if compiled or native.disabled():
         return Check("compiled core", OK, detail)
     return Check("compiled core", WARN, detail,

@@ -1,0 +1,676 @@
+"""A queue's rings: its producers' small messages through shared memory, not its socket.
+
+A Queue (SimpleQueue, JoinableQueue) is a socket whose every message costs a ``sendmsg``
+and a ``recvmsg``. Its *board* is one sealed memfd, made with the queue and travelling
+with it, that holds ``SLOTS`` single-producer rings (ring.py; compiled or twin, one
+protocol). A producer process claims a slot on its first message: an OFD lock on the
+slot's byte of the memfd (``F_OFD_SETLK``, on an open file description of its own), which
+the kernel lets go when the process dies, so a SIGKILLed producer frees its slot; each
+claim moves the slot's *gen* on. A message without fds that fits (a record of up to a
+quarter of a ring, and room for it now) goes into the producer's ring as
+``[kind u8][gen u16][k u32][payload]``; any other (fds, flight to count, large, or the
+ring full: the consumers are behind) goes through the socket as before, *tagged*
+(``fdpass.TAGGED``: its payload starts with ``(slot + 1) << 48 | gen << 32 | k``, the
+k-th frame its producer sent in this gen). A record's ``k`` is the number of the last
+frame its producer sent before it. A producer without a slot (all taken) sends untagged
+frames, as a queue without a board does.
+
+Order. Consumers take turns under the queue's ``_rlock`` (held by ``get`` for one
+non-blocking take, and taken here by a raw ``recv``/``poll`` that does not hold it), and
+note in the board, per slot, the (gen, k) of the last tagged frame taken. A record goes
+once the frame it follows has been taken (``k`` 0, or that frame taken); a tagged frame at
+the socket's head (``MSG_PEEK``) goes unless its ring's front record was published before
+it was sent (an older gen, or the same gen and a smaller ``k``): that record goes first.
+The ring is read after the peek, so a record published before the frame was sent is
+seen. One producer's messages thus arrive in the order it sent them, whatever path each
+took, and something can always go; between producers no order is defined, as in
+multiprocessing. A producer killed anywhere leaves nothing half-sent: a record is
+published whole or not at all (ring.py), a frame is one ``sendmsg``.
+
+Sleeping. Consumers that find nothing announce themselves in ``sleepers`` (under
+``_rlock``), look once more, and sleep on the board's eventfd and the socket; a producer
+writes the eventfd after a record when ``sleepers`` is not zero (after the ring's full
+fence: one of the two sees the other). Whoever drains the eventfd (a woken consumer, under
+``_rlock``) writes it again if a record is there and others sleep, so no wake-up is lost
+with several consumers. ``fileno()`` of the reader (``multiprocessing.connection.wait``,
+``select``) is an epoll fd over the eventfd and the socket, and arms: it counts its
+process as a sleeper until its next take, and makes itself readable if a message is
+there. A consumer killed while counted leaves the count high: producers then write the
+eventfd for nothing (a system call per message), never miss one.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+import weakref
+from multiprocessing.reduction import DupFd
+from typing import TYPE_CHECKING, Any
+
+from .. import _compat, forks, host, native, wire
+from ..errors import ProtocolError
+from ..fds import Fd
+from ..memory import cache, segment
+from . import fdpass, ring
+
+if TYPE_CHECKING:
+    from .flow import Window
+
+MAGIC = 0x42504D53                 # b"SMPB" little-endian
+VERSION = 1
+SLOTS = 8
+CAPACITY = 1 << 16                 # of each ring: records of up to 16 KiB
+MAX_SLOTS = 64
+RINGS = 4096                       # where slot 0's ring starts
+O_MAGIC, O_VERSION, O_SLOTS, O_CAPACITY, O_USED, O_SLEEPERS = 0, 4, 8, 12, 64, 128
+O_TAKEN, O_XSENT = 72, 76          # u32: tagged frames taken; sent by producers without a slot
+O_TABLE = 256                      # per slot 16 bytes: u32 tagged frames its owners sent
+TABLE_LOCK = MAX_SLOTS             # the byte locked to update the table (claims, O_XSENT)
+_TAG = struct.Struct("<QQ")        # a frame's slot + 1 (0: none) and stamp
+_REC = struct.Struct("<BQ")        # a record's kind and stamp
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (x86-64, arm64)
+_PEEK = fdpass.HEADER.size + _TAG.size
+_MSG_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+_stamp = time.monotonic_ns
+_END = 1 << 64                     # the socket's end: after every stamp
+_ROOM_WAIT = 0.005                 # a producer whose ring is full waits for room this long
+_NO_SLOT_RETRY = 1.0               # a producer that found no free slot looks again after
+
+
+def _ofd_lock(fd: int, byte: int, wait: bool) -> bool:
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK,
+                    _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _ofd_unlock(fd: int, byte: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0))
+
+
+def _drain(fd: int) -> None:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        pass
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.eventfd_write(fd, 1)
+    except BlockingIOError:         # (the counter full: already woken)
+        pass
+
+
+def _size(slots: int, capacity: int) -> int:
+    return RINGS + slots * (ring.HEADER + capacity)
+
+
+class _Locked:
+    """The consumers' lock (the queue's ``_rlock``) for one step, unless this thread holds
+    it already (``Pool`` drains its task queue holding it, with raw ``poll``/``recv``)."""
+
+    __slots__ = ("_lock", "_took")
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        lock = self._lock
+        self._took = not _compat.lock_is_mine(lock)
+        if self._took:
+            lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._took:
+            self._lock.release()
+
+
+class _Sent:
+    """A send's window that learns when the frame is in the socket: ``send_frame`` calls
+    ``wait()`` right after it."""
+
+    __slots__ = ("_window", "done")
+
+    def __init__(self, window: Window) -> None:
+        self._window, self.done = window, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._window, name)
+
+    def wait(self) -> None:
+        self.done = True
+        self._window.wait()
+
+
+class Board:
+    """One queue's rings in one process (shared by its two ends there); see the module's
+    docstring."""
+
+    def __init__(self, memfd: Fd, efd: Fd, mm: mmap.mmap, slots: int, capacity: int) -> None:
+        self._memfd, self._efd, self._mm = memfd, efd, mm
+        self._slots, self._cap = slots, capacity
+        self._limit = capacity // 4 - _REC.size
+        self._mv = memoryview(mm)
+        self._u32 = self._mv.cast("I")
+        self._u64 = self._mv.cast("Q")
+        bases = [RINGS + s * (ring.HEADER + capacity) for s in range(slots)]
+        self._head = [(b + ring.O_HEAD) // 8 for b in bases]
+        self._tail = [(b + ring.O_TAIL) // 8 for b in bases]
+        self._bases = bases
+        self._views: list[memoryview] = []
+        self._next = 0
+        self._armed = False
+        self._epoll: select.epoll | None = None
+        self._users = 0
+        self._closed = False
+        self._reset_writer()
+        _boards.add(self)
+
+    def _reset_writer(self) -> None:
+        self._wlock = threading.Lock()
+        self._writer: Any = None
+        self._lockfd: Fd | None = None
+        self._slot = -1
+        self._retry = 0.0
+        self._stuck = -1
+
+    # -- making, attaching, handing on ---------------------------------------------------
+    @classmethod
+    def create(cls, slots: int = SLOTS, capacity: int = CAPACITY) -> Board:
+        size = _size(slots, capacity)
+        memfd = Fd(segment.made(size, lambda n: segment.new_memfd("smp-queue-board", n)))
+        try:
+            fcntl.fcntl(memfd.fd, fcntl.F_ADD_SEALS, segment.SEALS)
+            mm = segment.map_fd(memfd.fd, size)
+            with memoryview(mm) as mv, mv.cast("I") as u32, mv.cast("Q") as u64:
+                u32[O_MAGIC // 4], u32[O_VERSION // 4] = MAGIC, VERSION
+                u32[O_SLOTS // 4], u32[O_CAPACITY // 4] = slots, capacity
+                for s in range(slots):
+                    b = RINGS + s * (ring.HEADER + capacity)
+                    u32[(b + ring.O_MAGIC) // 4] = ring.MAGIC
+                    u32[(b + ring.O_VERSION) // 4] = ring.VERSION
+                    u64[(b + ring.O_CAPACITY) // 8] = capacity
+            efd = Fd(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
+        except BaseException:
+            memfd.close()
+            raise
+        return cls(memfd, efd, mm, slots, capacity)
+
+    @classmethod
+    def attach(cls, memfd: int, efd: int) -> Board:
+        """The board of a queue received from another process (``fds()`` there): the one
+        this process has already if it has it, else mapped now; ``memfd`` and ``efd`` are
+        this call's to close. Everything is checked: ProtocolError."""
+        try:
+            try:
+                st = os.fstat(memfd)
+            except OSError as e:
+                raise ProtocolError(f"a queue's board: the memfd received is not usable: {e}") \
+                    from None
+            known = _by_file.get((st.st_dev, st.st_ino))
+            if known is not None and not known._closed:
+                return known
+            if host.fd_target(efd) != "anon_inode:[eventfd]":
+                raise ProtocolError("a queue's board: the fd received for its eventfd is not one")
+            if not stat.S_ISREG(st.st_mode) or \
+                    not RINGS < st.st_size <= _size(MAX_SLOTS, 1 << 20) or \
+                    not segment.sealed(memfd, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+                raise ProtocolError("a queue's board: the memfd received is not a sealed board")
+            mm = segment.map_fd(memfd, st.st_size)
+            with memoryview(mm)[:RINGS] as h, h.cast("I") as u32:
+                magic, version, slots, cap = (u32[O_MAGIC // 4], u32[O_VERSION // 4],
+                                              u32[O_SLOTS // 4], u32[O_CAPACITY // 4])
+            if magic != MAGIC or version != VERSION or not 0 < slots <= MAX_SLOTS or \
+                    cap & (cap - 1) or not ring.MIN_CAPACITY <= cap or \
+                    _size(slots, cap) != st.st_size:
+                mm.close()
+                raise ProtocolError(f"a queue's board: not a board of version {VERSION} (magic "
+                                    f"{magic:#x}, version {version}, {slots} slots of {cap})")
+            board = cls(Fd(memfd), Fd(efd), mm, slots, cap)
+            memfd = efd = -1
+            _by_file[(st.st_dev, st.st_ino)] = board
+            return board
+        finally:
+            for fd in (memfd, efd):
+                if fd >= 0:
+                    os.close(fd)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, Any]]:
+        memfd, efd = self.fds()
+        oob = wire.current()
+        if oob is not None:
+            return _attach_in_band, (oob.add(memfd), oob.add(efd))
+        return _attach, (DupFd(memfd), DupFd(efd))
+
+    def fds(self) -> tuple[int, int]:
+        """(memfd, eventfd): what another process attaches (still this board's)."""
+        if self._closed:
+            raise OSError("a closed queue's board")
+        return self._memfd.fd, self._efd.fd
+
+    def use(self) -> Board:
+        """One more end of this process uses it (``release`` when it closes)."""
+        self._users += 1
+        if self._users == 1:
+            st = os.fstat(self._memfd.fd)
+            _by_file[(st.st_dev, st.st_ino)] = self
+        return self
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users <= 0:
+            self.close()
+
+    def close(self) -> None:
+        """Let go of everything this process holds of the board (its slot with it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop(inherited=False)    # (a thread in a put sees the ring closed: OSError)
+        if self._epoll is not None:
+            self._epoll.close()
+        self._memfd.close()
+        self._efd.close()
+
+    def _drop(self, inherited: bool) -> None:
+        if self._writer is not None:
+            self._writer._forked()      # (lets go of its view; writes nothing shared)
+            self._writer = None
+        for v in self._views:
+            v.release()
+        self._views.clear()
+        if self._lockfd is not None:
+            if inherited:
+                self._lockfd.close_inherited()   # (the parent's slot stays the parent's)
+            else:
+                self._lockfd.close()             # (the slot is free)
+        if not inherited:
+            for v in (self._u32, self._u64, self._mv):
+                v.release()
+            try:
+                self._mm.close()
+            except BufferError:          # (a thread still reads through it)
+                pass
+
+    def _forked_child(self) -> None:
+        self._drop(inherited=True)
+        self._reset_writer()
+        self._armed = False
+        if self._epoll is not None:
+            self._epoll.close()             # (the child's copy: the parent's stays)
+            self._epoll = None
+
+    def _ring(self, s: int, writer: bool) -> Any:
+        view = self._mv[self._bases[s]:self._bases[s] + ring.HEADER + self._cap]
+        self._views.append(view)
+        return ring.Ring(view, writer, self._cap, -1, -1, 0.0)
+
+    # -- a producer ----------------------------------------------------------------------
+    def _claim(self) -> Any:
+        """(``_wlock`` held) This process's ring, claimed on its first message; None while
+        every slot is taken (then looked for again every ``_NO_SLOT_RETRY`` s)."""
+        if self._slot == -2 and time.monotonic() < self._retry:
+            return None
+        if self._closed:
+            raise OSError("handle is closed")
+        if self._lockfd is None:
+            try:
+                self._lockfd = Fd(host.reopen(self._memfd.fd, os.O_RDWR | os.O_CLOEXEC))
+            except OSError:               # (no /proc: this process sends by the socket alone)
+                self._slot, self._retry = -2, float("inf")
+                return None
+        fd = self._lockfd.fd
+        for s in range(self._slots):
+            if _ofd_lock(fd, s, wait=False):
+                break
+        else:
+            self._slot, self._retry = -2, time.monotonic() + _NO_SLOT_RETRY
+            return None
+        _ofd_lock(fd, TABLE_LOCK, wait=True)
+        try:
+            if self._u32[O_USED // 4] <= s:
+                self._u32[O_USED // 4] = s + 1
+        finally:
+            _ofd_unlock(fd, TABLE_LOCK)
+        self._writer = self._ring(s, True)
+        self._slot = s
+        return self._writer
+
+    def send(self, sock: socket.socket, window: Window, payload: Any, fds: Any, flags: int,
+             flight: int | None, block: bool) -> bool:
+        """Send one packed message (connection.py's ``send_packed``/``try_send_packed``):
+        stamped, through this process's ring when it can go there, else tagged through
+        ``sock``. ``block`` false: False, nothing sent, where it would wait."""
+        if not self._wlock.acquire(block):
+            return False
+        try:
+            w = self._writer
+            if w is None:
+                w = self._claim()
+            if w is not None and not fds and flags < fdpass.TAGGED and \
+                    len(payload) <= self._limit and not (flight or getattr(fds, "flight", 0)) \
+                    and (self._fits(len(payload)) or block and self._room_soon(len(payload))):
+                w.try_put(_REC.pack(flags, _stamp()) + payload)
+                if self._u32[O_SLEEPERS // 4]:
+                    _wake(self._efd.fd)
+                return True
+            if self._lockfd is None:      # (no /proc: untagged, uncounted)
+                if block:
+                    fdpass.send_frame(sock, payload, fds, flags, window, flight)
+                    return True
+                return fdpass.try_send_frame(sock, payload, fds, flags, window)
+            # (also a message the ring has no room for: its consumers are stuck, or it is one
+            # of theirs that puts more than it holds before it gets; it waits in the socket as
+            # it would without a board)
+            body = _TAG.pack(self._slot + 1 if w is not None else 0, _stamp()) + payload
+            # Counted before it is sent: a consumer that finds as many taken as sent knows
+            # that none waits in the socket (killed in between, the count stays one high:
+            # consumers then look at the socket each time, which costs, and is right).
+            self._count(1)
+            sent = _Sent(window)
+            try:
+                if block:
+                    fdpass.send_frame(sock, body, fds, flags | fdpass.TAGGED, sent,  # type: ignore[arg-type]
+                                      flight)
+                    return True
+                sent.done = fdpass.try_send_frame(sock, body, fds, flags | fdpass.TAGGED, window)
+                return sent.done
+            finally:
+                if not sent.done:
+                    self._count(-1)
+        finally:
+            self._wlock.release()
+
+    def _count(self, n: int) -> None:
+        """(``_wlock`` held) Count ``n`` more tagged frames sent by this process."""
+        if self._writer is not None:
+            i = (O_TABLE + 16 * self._slot) // 4
+            self._u32[i] = (self._u32[i] + n) & 0xFFFFFFFF
+            return
+        fd = self._lockfd.fd  # type: ignore[union-attr]
+        _ofd_lock(fd, TABLE_LOCK, wait=True)
+        try:
+            self._u32[O_XSENT // 4] = (self._u32[O_XSENT // 4] + n) & 0xFFFFFFFF
+        finally:
+            _ofd_unlock(fd, TABLE_LOCK)
+
+    def _room_soon(self, n: int) -> bool:
+        """Whether the ring has room for a record of ``n`` bytes within ``_ROOM_WAIT`` s, the
+        consumers taking records meanwhile; at once False while they have taken none since
+        the last time they did not make room in time."""
+        head = self._u64[self._head[self._slot]]
+        if head == self._stuck:
+            return False
+        delay, end = 20e-6, time.monotonic() + _ROOM_WAIT
+        while time.monotonic() < end:
+            if self._u32[O_SLEEPERS // 4]:
+                _wake(self._efd.fd)
+            time.sleep(delay)
+            delay = min(2 * delay, 0.001)
+            if self._fits(n):
+                return True
+        self._stuck = self._u64[self._head[self._slot]]
+        return False
+
+    def _fits(self, n: int) -> bool:
+        """Whether a record of ``n`` payload bytes fits in this process's ring now."""
+        s, cap = self._slot, self._cap
+        tail = self._u64[self._tail[s]]
+        p, rec = tail & (cap - 1), (4 + _REC.size + n + 7) & ~7
+        need = rec if p + rec <= cap else cap - p + rec
+        return cap - (tail - self._u64[self._head[s]]) >= need
+
+    # -- the consumers (``_rlock`` held for take) --------------------------------------------
+    def take(self, sock: socket.socket) -> tuple[Any, list[int], int] | None:
+        """(the consumers' lock held) The next message, (payload, fds, kind), or None if
+        there is none. EOFError once the socket ended and the rings are empty."""
+        if self._armed:
+            self._armed = False
+            self._u32[O_SLEEPERS // 4] -= 1
+        mm, slots, cap = self._mm, self._slots, self._cap
+        s, stamp, waiting = _first(mm, slots, cap)
+        if waiting or s < 0:
+            # (a tie goes to the frame: a record stamped in the same tick by its producer
+            # was put after it)
+            frame_stamp = self._head_stamp(sock)
+            if frame_stamp is not None and (s < 0 or frame_stamp <= stamp):
+                s, stamp, _ = _first(mm, slots, cap)       # (what was published before it)
+                if s < 0 or frame_stamp <= stamp:
+                    return self._take_frame(sock)
+        if s < 0:
+            return None
+        kind, payload = _pop(mm, slots, cap, s)
+        return payload, [], kind
+
+    def _head_stamp(self, sock: socket.socket) -> int | None:
+        """The stamp of the socket's head frame (``MSG_PEEK``): None if there is none, -1
+        if it is not a tagged frame (what ``recv_frame`` refuses, or returns untagged), and
+        at the socket's end a stamp after every record's (EOF once the rings are empty)."""
+        try:
+            head = sock.recv(_PEEK, _MSG_PEEK)
+        except BlockingIOError:
+            return None
+        if not head:
+            return _END
+        if len(head) < fdpass.HEADER.size or not head[3] & fdpass.TAGGED:
+            return -1
+        if not head[3] & fdpass.PAYLOAD_IN_MEMFD:
+            if len(head) < _PEEK:
+                return -1
+            return int(_TAG.unpack_from(head, fdpass.HEADER.size)[1])
+        # (a payload larger than a record: the tag starts the memfd's part)
+        data, anc, _, _ = sock.recvmsg(_PEEK, socket.CMSG_SPACE(4 * fdpass.MAX_FDS_PER_MSG),
+                                       _MSG_PEEK | fdpass._CLOEXEC)
+        fds: list[int] = []
+        try:
+            fdpass._take_fds(anc, 0, fds)
+            if not fds or len(data) < fdpass.HEADER.size + 8:
+                return -1
+            offset = _U64.unpack_from(data, fdpass.HEADER.size)[0]
+            raw = os.pread(fds[-1], _TAG.size, offset)
+            return -1 if len(raw) != _TAG.size else int(_TAG.unpack(raw)[1])
+        finally:
+            fdpass.close_all(fds)
+
+    def _take_frame(self, sock: socket.socket) -> tuple[Any, list[int], int]:
+        payload, fds, kind = fdpass.recv_frame(sock, block=False)
+        if not kind & fdpass.TAGGED:
+            return payload, fds, kind     # (a producer that could not lock: no /proc)
+        if len(payload) < _TAG.size:
+            fdpass.close_all(fds)
+            raise ProtocolError("a queue's tagged frame is shorter than its tag")
+        self._u32[O_TAKEN // 4] = (self._u32[O_TAKEN // 4] + 1) & 0xFFFFFFFF
+        return payload[_TAG.size:], fds, kind & ~fdpass.TAGGED
+
+    def ready(self, sock_ready: Any) -> bool:
+        """Whether a take may find something (no lock: a hint): a record in a ring, or the
+        socket readable."""
+        u64, head, tail = self._u64, self._head, self._tail
+        for s in range(min(self._u32[O_USED // 4], self._slots)):
+            if u64[head[s]] != u64[tail[s]]:
+                return True
+        return bool(sock_ready())
+
+    def wait(self, sock: socket.socket, lock: Any, timeout: float | None,
+             sock_ready: Any, spin: float) -> bool:
+        """Until a take may find something (True) or ``timeout`` s passed (False): a spin,
+        then asleep as a counted sleeper (the module's docstring)."""
+        if self.ready(sock_ready):
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if spin and timeout != 0:
+            end = time.perf_counter() + (spin if timeout is None else min(spin, timeout))
+            while time.perf_counter() < end:
+                os.sched_yield()
+                if self.ready(sock_ready):
+                    return True
+        if timeout == 0:
+            return False
+        u32, efd = self._u32, self._efd.fd
+        poller = select.poll()
+        poller.register(efd, select.POLLIN)
+        poller.register(sock, select.POLLIN)
+        while True:
+            with _Locked(lock):
+                u32[O_SLEEPERS // 4] += 1
+                ring._fence()
+                if self.ready(sock_ready):
+                    u32[O_SLEEPERS // 4] -= 1
+                    return True
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                cache.waiting(lambda t: bool(poller.poll(
+                    None if t is None else max(0, -int(-t * 1000 // 1)))), left)
+            finally:
+                with _Locked(lock):
+                    u32[O_SLEEPERS // 4] -= 1
+                    _drain(efd)
+                    got = self.ready(sock_ready)
+                    if got and u32[O_SLEEPERS // 4]:
+                        _wake(efd)        # (the baton: others sleep, and it is there)
+            if got:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def arm(self, sock: socket.socket, lock: Any, sock_ready: Any) -> int:
+        """(``fileno()`` of the reader) An epoll fd over the eventfd and the socket, readable
+        once a take may find something: this process counts as a sleeper until its next
+        take."""
+        efd = self._efd.fd
+        with _Locked(lock):
+            if not self._armed:
+                self._armed = True
+                self._u32[O_SLEEPERS // 4] += 1
+                ring._fence()
+            _drain(efd)
+            if self.ready(sock_ready):
+                _wake(efd)
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            self._epoll.register(efd, select.EPOLLIN)
+            self._epoll.register(sock, select.EPOLLIN)
+        return self._epoll.fileno()
+
+
+def _first_py(mapping: Any, slots: int, capacity: int) -> tuple[int, int, bool]:
+    """(slot, stamp, frames waiting): the ring record with the smallest stamp (slot -1:
+    none), looked for until a look finds no smaller one, and whether tagged frames wait in
+    the socket. The twin of ``_cring.board_first``."""
+    with memoryview(mapping) as mv:
+        used = _used(mv, slots)
+        best, best_stamp = -1, 0
+        while True:
+            was = best, best_stamp
+            best = -1
+            for s in range(used):
+                at = _front_py(mv, s, capacity)
+                if at is None:
+                    continue
+                stamp = _U64.unpack_from(mv, at[1] + 1)[0]
+                if best < 0 or stamp < best_stamp:
+                    best, best_stamp = s, stamp
+            if (best, best_stamp) == was:
+                break
+        sent = _U32.unpack_from(mv, O_XSENT)[0]
+        for s in range(used):
+            sent += _U32.unpack_from(mv, O_TABLE + 16 * s)[0]
+        waiting = sent & 0xFFFFFFFF != _U32.unpack_from(mv, O_TAKEN)[0]
+    return best, best_stamp, waiting
+
+
+def _pop_py(mapping: Any, slots: int, capacity: int, s: int) -> tuple[int, bytes]:
+    """(kind, payload) of slot ``s``'s front record, taken. The twin of
+    ``_cring.board_pop``."""
+    with memoryview(mapping) as mv:
+        if s >= _used(mv, slots):
+            raise ValueError("board_pop: no such slot")
+        at = _front_py(mv, s, capacity)
+        if at is None:
+            raise RuntimeError("board_pop: the ring is empty")
+        head, q, length, skip = at
+        payload = bytes(mv[q + _REC.size:q + length])
+        kind = mv[q]
+        _U64.pack_into(mv, RINGS + s * (ring.HEADER + capacity) + ring.O_HEAD,
+                       head + skip + ((4 + length + 7) & ~7))
+        ring._fence()
+    return kind, payload
+
+
+def _used(mv: memoryview, slots: int) -> int:
+    used = _U32.unpack_from(mv, O_USED)[0]
+    if used > slots:
+        raise ProtocolError(f"a queue's board says {used} of its {slots} slots are used")
+    return int(used)
+
+
+def _front_py(mv: memoryview, s: int, cap: int) -> tuple[int, int, int, int] | None:
+    """(head, where its record's bytes start, their length, the wrap's bytes before it) of
+    slot ``s``'s front record; None if its ring is empty."""
+    r = RINGS + s * (ring.HEADER + cap)
+    data = r + ring.HEADER
+    h, t = _U64.unpack_from(mv, r + ring.O_HEAD)[0], _U64.unpack_from(mv, r + ring.O_TAIL)[0]
+    if h == t:
+        return None
+    if h & 7 or t & 7 or (t - h) % 2**64 > cap:
+        raise _lie()
+    p, skip = h & (cap - 1), 0
+    length = _U32.unpack_from(mv, data + p)[0]
+    if length == ring.MARKER:
+        skip = cap - p
+        if p == 0 or t - h <= skip:
+            raise _lie()
+        p = 0
+        length = _U32.unpack_from(mv, data)[0]
+    rec = (4 + length + 7) & ~7
+    if length < _REC.size or length > cap // 4 or p + rec > cap or t - h - skip < rec or \
+            mv[data + p + 4] >= fdpass.TAGGED:
+        raise _lie()
+    return h, data + p + 4, length, skip
+
+
+def _lie() -> ProtocolError:
+    return ProtocolError("a queue's board: a ring's counters or records are impossible (a "
+                         "hostile or corrupt peer); the queue is unusable")
+
+
+def _compiled() -> tuple[Any, Any] | None:
+    module = native.load("_cring")
+    return None if module is None else (module.board_first, module.board_pop)
+
+
+_first, _pop = _compiled() or (_first_py, _pop_py)
+
+
+# (dupfd: what DupFd() made)
+def _attach(memfd: Any, efd: Any) -> Board:
+    return Board.attach(memfd.detach(), efd.detach())
+
+
+def _attach_in_band(memfd: int, efd: int) -> Board:
+    oob = wire.current()
+    return Board.attach(os.dup(oob.get(memfd)), os.dup(oob.get(efd)))  # type: ignore[union-attr]
+
+
+_boards: weakref.WeakSet[Board] = weakref.WeakSet()
+_by_file: weakref.WeakValueDictionary[tuple[int, int], Board] = weakref.WeakValueDictionary()
+
+
+@forks.in_child
+def _after_fork_in_child() -> None:
+    for board in list(_boards):
+        if not board._closed:
+            board._forked_child()
