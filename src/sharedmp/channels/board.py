@@ -138,23 +138,6 @@ class _Locked:
             self._lock.release()
 
 
-class _Sent:
-    """A send's window that learns when the frame is in the socket: ``send_frame`` calls
-    ``wait()`` right after it."""
-
-    __slots__ = ("_window", "done")
-
-    def __init__(self, window: Window) -> None:
-        self._window, self.done = window, False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._window, name)
-
-    def wait(self) -> None:
-        self.done = True
-        self._window.wait()
-
-
 class Board:
     """One queue's rings in one process (shared by its two ends there); see the module's
     docstring."""
@@ -171,7 +154,7 @@ class Board:
         self._tail = [(b + ring.O_TAIL) // 8 for b in bases]
         self._bases = bases
         self._views: list[memoryview] = []
-        self._next = 0
+        self._held: tuple[int, tuple[Any, list[int], int]] | None = None
         self._armed = False
         self._epoll: select.epoll | None = None
         self._users = 0
@@ -279,6 +262,9 @@ class Board:
         if self._closed:
             return
         self._closed = True
+        if self._held is not None:
+            fdpass.close_all(self._held[1][1])
+            self._held = None
         self._drop(inherited=False)    # (a thread in a put sees the ring closed: OSError)
         if self._epoll is not None:
             self._epoll.close()
@@ -306,6 +292,13 @@ class Board:
                 pass
 
     def _forked_child(self) -> None:
+        if self._held is not None:            # (the parent's to deliver)
+            for fd in self._held[1][1]:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._held = None
         self._drop(inherited=True)
         self._reset_writer()
         self._armed = False
@@ -346,7 +339,7 @@ class Board:
         finally:
             _ofd_unlock(fd, TABLE_LOCK)
         self._writer = self._ring(s, True)
-        self._slot = s
+        self._slot, self._sent_at = s, (O_TABLE + 16 * s) // 4
         return self._writer
 
     def send(self, sock: socket.socket, window: Window, payload: Any, fds: Any, flags: int,
@@ -377,28 +370,25 @@ class Board:
             # it would without a board)
             body = _TAG.pack(self._slot + 1 if w is not None else 0, _stamp()) + payload
             # Counted before it is sent: a consumer that finds as many taken as sent knows
-            # that none waits in the socket (killed in between, the count stays one high:
-            # consumers then look at the socket each time, which costs, and is right).
+            # that none waits in the socket (a send that fails, or a producer killed in
+            # between, leaves the count high: consumers then look at the socket each time,
+            # which costs, and is right).
             self._count(1)
-            sent = _Sent(window)
-            try:
-                if block:
-                    fdpass.send_frame(sock, body, fds, flags | fdpass.TAGGED, sent,  # type: ignore[arg-type]
-                                      flight)
-                    return True
-                sent.done = fdpass.try_send_frame(sock, body, fds, flags | fdpass.TAGGED, window)
-                return sent.done
-            finally:
-                if not sent.done:
-                    self._count(-1)
+            if block:
+                fdpass.send_frame(sock, body, fds, flags | fdpass.TAGGED, window, flight)
+                return True
+            if fdpass.try_send_frame(sock, body, fds, flags | fdpass.TAGGED, window):
+                return True
+            self._count(-1)                    # (nothing was sent)
+            return False
         finally:
             self._wlock.release()
 
     def _count(self, n: int) -> None:
         """(``_wlock`` held) Count ``n`` more tagged frames sent by this process."""
         if self._writer is not None:
-            i = (O_TABLE + 16 * self._slot) // 4
-            self._u32[i] = (self._u32[i] + n) & 0xFFFFFFFF
+            u32, i = self._u32, self._sent_at
+            u32[i] = (u32[i] + n) & 0xFFFFFFFF
             return
         fd = self._lockfd.fd  # type: ignore[union-attr]
         _ofd_lock(fd, TABLE_LOCK, wait=True)
@@ -442,14 +432,33 @@ class Board:
             self._u32[O_SLEEPERS // 4] -= 1
         mm, slots, cap = self._mm, self._slots, self._cap
         s, stamp, waiting = _first(mm, slots, cap)
-        if waiting or s < 0:
+        held = self._held
+        if held is not None:
+            if s < 0 or held[0] <= stamp:
+                self._held = None
+                return held[1]
+        elif s < 0:
+            # The rings are empty: the socket's head is read at once (a peek of a frame with
+            # fds costs 2 us), then the rings looked at again: a record published meanwhile
+            # and stamped before the frame goes first, and this process keeps the frame for
+            # its next take (it would go first at the next take of any consumer too).
+            taken = self._take_frame(sock)
+            if taken is None:
+                return None
+            s, stamp, _ = _first(mm, slots, cap)
+            if s < 0 or taken[0] <= stamp:
+                return taken[1]
+            self._held = taken
+        elif waiting:
             # (a tie goes to the frame: a record stamped in the same tick by its producer
             # was put after it)
             frame_stamp = self._head_stamp(sock)
-            if frame_stamp is not None and (s < 0 or frame_stamp <= stamp):
+            if frame_stamp is not None and frame_stamp <= stamp:
                 s, stamp, _ = _first(mm, slots, cap)       # (what was published before it)
                 if s < 0 or frame_stamp <= stamp:
-                    return self._take_frame(sock)
+                    taken = self._take_frame(sock)
+                    if taken is not None:
+                        return taken[1]
         if s < 0:
             return None
         kind, payload = _pop(mm, slots, cap, s)
@@ -485,19 +494,26 @@ class Board:
         finally:
             fdpass.close_all(fds)
 
-    def _take_frame(self, sock: socket.socket) -> tuple[Any, list[int], int]:
-        payload, fds, kind = fdpass.recv_frame(sock, block=False)
+    def _take_frame(self, sock: socket.socket) -> tuple[int, tuple[Any, list[int], int]] | None:
+        """(stamp, frame) of the socket's head frame, taken; None if there is none."""
+        try:
+            payload, fds, kind = fdpass.recv_frame(sock, block=False)
+        except BlockingIOError:
+            return None
         if not kind & fdpass.TAGGED:
-            return payload, fds, kind     # (a producer that could not lock: no /proc)
+            return -1, (payload, fds, kind)   # (a producer that could not lock: no /proc)
         if len(payload) < _TAG.size:
             fdpass.close_all(fds)
             raise ProtocolError("a queue's tagged frame is shorter than its tag")
         self._u32[O_TAKEN // 4] = (self._u32[O_TAKEN // 4] + 1) & 0xFFFFFFFF
-        return payload[_TAG.size:], fds, kind & ~fdpass.TAGGED
+        stamp = _TAG.unpack_from(payload)[1]
+        return stamp, (payload[_TAG.size:], fds, kind & ~fdpass.TAGGED)
 
     def ready(self, sock_ready: Any) -> bool:
         """Whether a take may find something (no lock: a hint): a record in a ring, or the
         socket readable."""
+        if self._held is not None:
+            return True
         u64, head, tail = self._u64, self._head, self._tail
         for s in range(min(self._u32[O_USED // 4], self._slots)):
             if u64[head[s]] != u64[tail[s]]:
