@@ -70,20 +70,28 @@ def produce_tagged(q, producer, n, big=0):
         q.put(item + (tag_bytes(producer, seq, big),) if big and seq % 10 == 0 else item)
 
 
-def consume_tagged(q, out):
-    """Get items until None; put ("ok", [(producer, seq, array_ok), ...]) on ``out``."""
+def tagged_ok(item):
+    producer, seq, a = item[:3]
+    ok = mp.is_shared(a) and bool((a == producer * 100_000 + seq).all())
+    return ok and (len(item) == 3 or item[3] == tag_bytes(producer, seq, len(item[3])))
+
+
+def consume_until_none(q, out, check=None):
+    """Get items until None; put ("ok", [(producer, seq, check(item)), ...]) on ``out``
+    (``check``: ``tagged_ok`` unless given)."""
+    check = check or tagged_ok
     def run():
         got = []
         while True:
             item = q.get(timeout=TIMEOUT)
             if item is None:
                 return got
-            producer, seq, a = item[:3]
-            ok = mp.is_shared(a) and bool((a == producer * 100_000 + seq).all())
-            if len(item) == 4:
-                ok = ok and item[3] == tag_bytes(producer, seq, len(item[3]))
-            got.append((producer, seq, ok))
+            got.append((item[0], item[1], check(item)))
     _report(out, run)
+
+
+def consume_tagged(q, out):
+    consume_until_none(q, out, tagged_ok)
 
 
 # -- JoinableQueue -----------------------------------------------------------------------
@@ -280,15 +288,7 @@ def produce_mixed(q, producer, n, pause_every=0, hold=None):
 
 
 def consume_mixed(q, out):
-    """Get items until None; put ("ok", [(producer, seq, ok), ...]) on ``out``."""
-    def run():
-        got = []
-        while True:
-            item = q.get(timeout=TIMEOUT)
-            if item is None:
-                return got
-            got.append((item[0], item[1], mixed_ok(item)))
-    _report(out, run)
+    consume_until_none(q, out, mixed_ok)
 
 
 def produce_forever(q, ready):
