@@ -29,6 +29,12 @@ from conftest import TIMEOUT, join_or_kill, start_process
 IMPLS = ["compiled", "twin"] if ring.Compiled is not None else ["twin"]
 
 
+@pytest.fixture(autouse=True)
+def rings_on(monkeypatch):
+    """(experimental, off by default) queues made here, and in spawned children, have rings"""
+    monkeypatch.setenv("SHAREDMP_QUEUE_RINGS", "1")
+
+
 @pytest.fixture(params=IMPLS)
 def impl(request, monkeypatch):
     """This process's board functions and writer ring, and its spawned children's."""
