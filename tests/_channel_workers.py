@@ -76,10 +76,8 @@ def tagged_ok(item):
     return ok and (len(item) == 3 or item[3] == tag_bytes(producer, seq, len(item[3])))
 
 
-def consume_until_none(q, out, check=None):
-    """Get items until None; put ("ok", [(producer, seq, check(item)), ...]) on ``out``
-    (``check``: ``tagged_ok`` unless given)."""
-    check = check or tagged_ok
+def consume_until_none(q, out, check):
+    """Get items until None; put ("ok", [(producer, seq, check(item)), ...]) on ``out``."""
     def run():
         got = []
         while True:

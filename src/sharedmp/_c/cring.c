@@ -572,26 +572,6 @@ static PyObject *Ring_set_watch(Ring *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
-/* This side's counter read again from the header, and the other's: for processes that take
-   turns on one side under a lock of their own (channels/board.py). Checked as at attach. */
-static PyObject *Ring_resync(Ring *self, PyObject *Py_UNUSED(ignored))
-{
-    if (enter(self, -1) < 0)
-        return NULL;
-    uint64_t h = atomic_load_explicit(self->head, memory_order_acquire);
-    uint64_t t = atomic_load_explicit(self->tail, memory_order_acquire);
-    int bad = (h & 7) || (t & 7) || t - h > self->cap || (h >> 63);
-    if (!bad) {
-        self->pos = self->writer ? t : h;
-        self->seen = h;
-    }
-    leave(self);
-    if (bad)
-        return PyErr_Format(self->protocol_error, "ring: impossible counters in the header "
-                            "(head %llu, tail %llu)", (unsigned long long)h, (unsigned long long)t);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Ring_counters(Ring *self, PyObject *Py_UNUSED(ignored))
 {
     return Py_BuildValue("(KK)", (unsigned long long)self->pos, (unsigned long long)self->seen);
@@ -715,7 +695,6 @@ static PyMethodDef Ring_methods[] = {
     {"fileno", (PyCFunction)Ring_fileno, METH_NOARGS, "the eventfd this side waits on"},
     {"_eventfds", (PyCFunction)Ring_eventfds, METH_NOARGS, "(data, space) eventfds"},
     {"watch", (PyCFunction)Ring_set_watch, METH_O, "watch(fd or None) (see ring.py)"},
-    {"_resync", (PyCFunction)Ring_resync, METH_NOARGS, "read the counters again (see board.py)"},
     {"_counters", (PyCFunction)Ring_counters, METH_NOARGS, "(this side's, the other's as seen)"},
     {NULL, NULL, 0, NULL},
 };

@@ -153,7 +153,7 @@ class Board:
         self._head = [(b + ring.O_HEAD) // 8 for b in bases]
         self._tail = [(b + ring.O_TAIL) // 8 for b in bases]
         self._bases = bases
-        self._views: list[memoryview] = []
+        self._view: memoryview | None = None        # (the writer ring's)
         self._held: tuple[int, tuple[Any, list[int], int]] | None = None
         self._armed = False
         self._epoll: select.epoll | None = None
@@ -275,9 +275,9 @@ class Board:
         if self._writer is not None:
             self._writer._forked()      # (lets go of its view; writes nothing shared)
             self._writer = None
-        for v in self._views:
-            v.release()
-        self._views.clear()
+        if self._view is not None:
+            self._view.release()
+            self._view = None
         if self._lockfd is not None:
             if inherited:
                 self._lockfd.close_inherited()   # (the parent's slot stays the parent's)
@@ -306,10 +306,10 @@ class Board:
             self._epoll.close()             # (the child's copy: the parent's stays)
             self._epoll = None
 
-    def _ring(self, s: int, writer: bool) -> Any:
-        view = self._mv[self._bases[s]:self._bases[s] + ring.HEADER + self._cap]
-        self._views.append(view)
-        return ring.Ring(view, writer, self._cap, -1, -1, 0.0)
+    def _writer_ring(self, s: int) -> Any:
+        """Slot ``s``'s ring, this process writing (a ring that never sleeps: no eventfds)."""
+        self._view = self._mv[self._bases[s]:self._bases[s] + ring.HEADER + self._cap]
+        return ring.Ring(self._view, True, self._cap, -1, -1, 0.0)
 
     # -- a producer ----------------------------------------------------------------------
     def _claim(self) -> Any:
@@ -338,7 +338,7 @@ class Board:
                 self._u32[O_USED // 4] = s + 1
         finally:
             _ofd_unlock(fd, TABLE_LOCK)
-        self._writer = self._ring(s, True)
+        self._writer = self._writer_ring(s)
         self._slot, self._sent_at = s, (O_TABLE + 16 * s) // 4
         return self._writer
 

@@ -414,19 +414,6 @@ class PyRing:
             raise OSError("ring is closed")
         return self._efd_data, self._efd_space
 
-    def _resync(self) -> None:
-        """This side's counter read again from the header, and the other's: for processes
-        that take turns on one side under a lock of their own (board.py)."""
-        self._enter(None)
-        try:
-            h, t = self._q[O_HEAD // 8], self._q[O_TAIL // 8]
-            if h & 7 or t & 7 or (t - h) % 2**64 > self._cap or h >> 63:
-                raise ProtocolError(f"ring: impossible counters in the header (head {h}, "
-                                    f"tail {t})")
-            self._pos, self._seen = (t if self._writer else h), h
-        finally:
-            self._leave()
-
     def _counters(self) -> tuple[int, int]:
         return self._pos, self._seen
 
