@@ -431,15 +431,25 @@ def test_join_timeout_false_while_running_then_true(tmp_path):
             join_or_kill(p)
 
 
-def test_a_traceback_longer_than_a_pipe_buffer_is_shortened_not_a_hang():
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch):
+    """A temporary directory of this test's own: what other tests (other xdist workers)
+    make in the shared one meanwhile is not counted as this test's leak."""
     import tempfile
-    before = set(os.listdir(tempfile.gettempdir()))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    return str(tmp_path)
+
+
+def test_a_traceback_longer_than_a_pipe_buffer_is_shortened_not_a_hang(private_tmp):
+    before = set(os.listdir(private_tmp))
     with pytest.raises(mp.ProcessRaisedException) as info:
         mp.start_processes(w.raise_long, args=(300_000,), nprocs=2, start_method="fork")
     text = str(info.value)
     assert "traceback shortened" in text and "end of the long message" in text
     assert "Traceback (most recent call last)" in text and len(text) < 40_000
-    assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("sharedmp-")]
+    assert not [n for n in set(os.listdir(private_tmp)) - before if n.startswith("sharedmp-")]
 
 
 def test_nonzero_sys_exit_is_an_exit_code():
@@ -448,16 +458,15 @@ def test_nonzero_sys_exit_is_an_exit_code():
     assert info.value.exit_code == 7 and info.value.signal_name is None
 
 
-def test_failed_start_stops_the_children_already_started():
-    import tempfile
+def test_failed_start_stops_the_children_already_started(private_tmp):
     w.FailSecondPickle.pickled = 0
-    before = set(os.listdir(tempfile.gettempdir()))
+    before = set(os.listdir(private_tmp))
     with pytest.raises(TypeError, match="refusing to be pickled twice"):
         mp.spawn(w.sleep_with, args=(w.FailSecondPickle(),), nprocs=3)
     assert w.FailSecondPickle.pickled == 2          # the first child did start
     assert mp.active_children() == []
-    after = set(os.listdir(tempfile.gettempdir()))
-    assert not [n for n in after - before if n.startswith("sharedmp-spawn-")]
+    after = set(os.listdir(private_tmp))
+    assert not [n for n in after - before if n.startswith("sharedmp-")]
 
 
 def test_bad_arguments_raise_before_anything_starts():
