@@ -92,3 +92,28 @@ def test_dataloader_fork_workers_of_torch_context_are_left_alone(monkeypatch):
     monkeypatch.delenv(FREEZE, raising=False)
     inherited = gc.get_freeze_count()
     assert _worker_freeze_counts("fork") == [inherited, inherited]
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_forked_child_resets_with_the_collector_off_then_as_the_parent_had_it(collecting):
+    """A collection while the child renews its locks and resets its tables would run the
+    parent's garbage's finalizers (a queue's Connection and its window, in a cycle) against
+    state not yet reset: a Pool worker forked so waited forever for a lock (forks.py)."""
+    from conftest import fork_and_wait
+    from sharedmp import forks
+
+    during = []
+
+    def hook():
+        during.append(gc.isenabled())
+
+    forks.in_child(hook)
+    was = gc.isenabled()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        code = fork_and_wait(lambda: during == [False] and gc.isenabled() == collecting)
+        assert gc.isenabled() == collecting and during == []
+    finally:
+        forks._resets.remove(hook)
+        (gc.enable if was else gc.disable)()
+    assert code == 0

@@ -5,14 +5,26 @@ of the parent left it: a lock held at the fork would never be released in the ch
 Modules keep their module-level locks plain (``threading.Lock``, no wrapper on the hot
 paths) and name them here; the child gets new ones. ``in_child`` runs a module's own
 reset of per-process state (tables of what this process holds, threads it started).
+
+The child runs every renewal first, then every reset in the order registered, with the
+garbage collector off from just before the fork until they are done: a collection in
+between (any allocation may start one) would run the ``__del__`` of the parent's garbage
+(a ``Connection`` of a queue gone, its window) against locks not yet renewed, or
+half-reset state, and a child waiting for a lock no thread of its holds never starts.
 """
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from typing import Any, Callable, MutableMapping
 
 _Hook = Callable[[], None]
+
+
+_renewals: list[_Hook] = []
+_resets: list[_Hook] = []
+_collecting = [False]          # (whether the collector ran at the fork)
 
 
 def renew_locks(namespace: MutableMapping[str, Any], *names: str) -> None:
@@ -25,12 +37,12 @@ def renew_locks(namespace: MutableMapping[str, Any], *names: str) -> None:
         for name, kind in kinds.items():
             namespace[name] = threading.RLock() if kind is rlock else threading.Lock()
 
-    os.register_at_fork(after_in_child=renew)
+    _renewals.append(renew)
 
 
 def in_child(hook: _Hook) -> _Hook:
     """Run ``hook`` in every forked child (usable as a decorator); returns ``hook``."""
-    os.register_at_fork(after_in_child=hook)
+    _resets.append(hook)
     return hook
 
 
@@ -44,3 +56,28 @@ def in_parent(hook: _Hook) -> _Hook:
     """Run ``hook`` in the parent just after every fork (usable as a decorator)."""
     os.register_at_fork(after_in_parent=hook)
     return hook
+
+
+def _collector_off() -> None:
+    _collecting[0] = gc.isenabled()
+    gc.disable()
+
+
+def _collector_back() -> None:
+    if _collecting[0]:
+        gc.enable()
+
+
+def _child() -> None:
+    try:
+        for hook in _renewals:
+            hook()
+        for hook in _resets:
+            hook()
+    finally:
+        _collector_back()
+
+
+# (registered first: its ``before`` runs last, just before the fork, its ``after`` first)
+os.register_at_fork(before=_collector_off, after_in_parent=_collector_back,
+                    after_in_child=_child)
