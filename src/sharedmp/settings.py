@@ -89,10 +89,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "docs/reference.md: mp.Pipe)"),
     Variable(SPIN_US, 50.0, _number(0, 1e6),
              "a number of microseconds from 0 (no spinning) to 1000000"),
-    Variable(QUEUE_RINGS, False, _flag,
-             "1 for queues whose small messages travel through rings in shared memory "
-             "(experimental), or 0 (or unset) for queues that send every message through "
-             "their socket"),
+    Variable(QUEUE_RINGS, True, _flag,
+             "1 (or unset) for queues whose small messages travel through rings in shared "
+             "memory, or 0 for queues that send every message through their socket"),
     Variable(KEEP_ORPHANS, False, _flag,
              "1 to let children outlive their parent, or 0 (or unset) for children that "
              "die with it"),

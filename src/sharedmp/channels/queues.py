@@ -149,7 +149,7 @@ def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
 
 
 def _pipe(rlock: Lock) -> tuple[Connection, Connection]:
-    """A queue's two ends, with a board (board.py) when $SHAREDMP_QUEUE_RINGS is 1."""
+    """A queue's two ends, with a board (board.py) unless $SHAREDMP_QUEUE_RINGS is 0."""
     reader, writer = Pipe(duplex=False)
     if settings.get(settings.QUEUE_RINGS):
         try:

@@ -115,8 +115,7 @@ def check_native():
     from ..channels import board
     detail += (f"; queues: small messages through rings ({board.SLOTS} producers' rings of "
                f"{board.CAPACITY >> 10} KiB a queue)" if settings.get(settings.QUEUE_RINGS)
-               else f"; queues: every message through the socket (${settings.QUEUE_RINGS}=1: "
-               "rings, experimental)")
+               else f"; queues: every message through the socket (${settings.QUEUE_RINGS}=0)")
     if compiled or native.disabled():
         return Check("compiled core", OK, detail)
     return Check("compiled core", WARN, detail,
