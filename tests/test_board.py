@@ -169,6 +169,44 @@ def test_forked_child_takes_a_slot_of_its_own():
     assert b._slot == mine
 
 
+def test_memory_is_reserved_a_ring_per_producer_that_takes_one():
+    """The header page when the queue is made, a ring when a producer takes a slot; a
+    producer whose ring cannot be reserved sends by the socket, its messages in order with
+    the others'. (The shortage is made up in the child: the memfd is at its full size
+    already, so neither RLIMIT_FSIZE nor anything else a test can set here makes shmem's
+    fallocate fail.)"""
+    import errno
+    from conftest import fork_and_wait
+    q = mp.Queue()
+    q._creator = -1                              # (put() synchronous here, as in a child)
+    b = board_of(q)
+    ring_bytes = ring.HEADER + board.CAPACITY
+
+    def reserved():
+        return os.fstat(b._memfd.fd).st_blocks * 512
+
+    assert reserved() == board.RINGS
+    q.put(cw.mixed_item(0, 0))
+    one = reserved()
+    assert board.RINGS + ring_bytes <= one <= board.RINGS + ring_bytes + mmap.PAGESIZE
+
+    def limited():
+        def no_space(*args):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        os.posix_fallocate = no_space
+        q.put(cw.mixed_item(1, 0))
+        q.put(cw.mixed_item(1, 1))
+        return b._slot == -2 and b._writer is None
+
+    assert fork_and_wait(limited) == 0
+    assert reserved() == one and b._u32[board.O_USED // 4] == 1
+    assert fork_and_wait(lambda: q.put(cw.mixed_item(2, 0)) or b._slot == 1) == 0
+    assert one + ring_bytes - mmap.PAGESIZE <= reserved() <= one + ring_bytes + mmap.PAGESIZE
+    got = [q.get(timeout=TIMEOUT) for _ in range(4)]
+    assert all(cw.mixed_ok(item) for item in got)
+    assert [(p, s) for p, s, _ in got] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+
+
 def test_several_sleeping_consumers_take_every_message():
     """Four consumers asleep in get(); a producer that pauses: a lost wake-up leaves a
     message unread while they sleep (their gets time out: nothing is lost either way)."""

@@ -3,29 +3,31 @@
 A Queue (SimpleQueue, JoinableQueue) is a socket whose every message costs a ``sendmsg``
 and a ``recvmsg``. Its *board* is one sealed memfd, made with the queue and travelling
 with it, that holds ``SLOTS`` single-producer rings (ring.py; compiled or twin, one
-protocol). A producer process claims a slot on its first message: an OFD lock on the
-slot's byte of the memfd (``F_OFD_SETLK``, on an open file description of its own), which
-the kernel lets go when the process dies, so a SIGKILLed producer frees its slot; each
-claim moves the slot's *gen* on. A message without fds that fits (a record of up to a
-quarter of a ring, and room for it now) goes into the producer's ring as
-``[kind u8][gen u16][k u32][payload]``; any other (fds, flight to count, large, or the
-ring full: the consumers are behind) goes through the socket as before, *tagged*
-(``fdpass.TAGGED``: its payload starts with ``(slot + 1) << 48 | gen << 32 | k``, the
-k-th frame its producer sent in this gen). A record's ``k`` is the number of the last
-frame its producer sent before it. A producer without a slot (all taken) sends untagged
-frames, as a queue without a board does.
+protocol) and an eventfd. A producer process claims a slot on its first message: an OFD
+lock on the slot's byte of the memfd (``F_OFD_SETLK``, on an open file description of its
+own), which the kernel lets go when the process dies, so a SIGKILLed producer frees its
+slot; the claim reserves the slot's ring (``posix_fallocate``: a shortage sends by the
+socket, never SIGBUS), so a queue's memory is its header page and a ring per producer.
+A message without fds that fits (a record of up to a quarter of a ring, and room for it
+now) goes into the producer's ring as ``[kind u8][stamp u64][payload]``; any other (fds,
+flight to count, large, or the ring full: the consumers are behind) goes through the socket
+as before, *tagged* (``fdpass.TAGGED``: its payload starts with ``(slot + 1, stamp)``) and
+counted in the board before it is sent (per slot, or under the table's lock for a producer
+without a slot); consumers count the tagged frames they take.
 
-Order. Consumers take turns under the queue's ``_rlock`` (held by ``get`` for one
-non-blocking take, and taken here by a raw ``recv``/``poll`` that does not hold it), and
-note in the board, per slot, the (gen, k) of the last tagged frame taken. A record goes
-once the frame it follows has been taken (``k`` 0, or that frame taken); a tagged frame at
-the socket's head (``MSG_PEEK``) goes unless its ring's front record was published before
-it was sent (an older gen, or the same gen and a smaller ``k``): that record goes first.
-The ring is read after the peek, so a record published before the frame was sent is
-seen. One producer's messages thus arrive in the order it sent them, whatever path each
-took, and something can always go; between producers no order is defined, as in
-multiprocessing. A producer killed anywhere leaves nothing half-sent: a record is
-published whole or not at all (ring.py), a frame is one ``sendmsg``.
+Order. A stamp is ``time.monotonic_ns()`` taken before the message is published. Consumers
+take turns under the queue's ``_rlock`` (held by ``get`` for one non-blocking take, and
+taken here by a raw ``recv``/``poll`` that does not hold it) and take the oldest message
+they can see: the ring record of smallest stamp (``board_first`` looks until a look finds
+nothing older: a record published before the one it found is seen), or the socket's head
+frame if frames are counted waiting and its stamp (``MSG_PEEK``) is not larger (a tie goes
+to the frame). With the rings empty the frame is read at once, then the rings looked at
+again: a record published meanwhile and stamped before it goes first, and this consumer
+keeps the frame for its next take. So each producer's messages arrive in the order it put
+them, and a message put after another's ``put()`` returned arrives after it, whichever path
+each took. EOF comes once the socket ended and the rings are empty. A producer killed
+anywhere leaves nothing half-sent: a record is published whole or not at all (ring.py), a
+frame is one ``sendmsg``.
 
 Sleeping. Consumers that find nothing announce themselves in ``sleepers`` (under
 ``_rlock``), look once more, and sleep on the board's eventfd and the socket; a producer
@@ -173,19 +175,17 @@ class Board:
     # -- making, attaching, handing on ---------------------------------------------------
     @classmethod
     def create(cls, slots: int = SLOTS, capacity: int = CAPACITY) -> Board:
+        """A new board: its header page reserved now, each ring by the producer that
+        claims it (``_claim``), so that a queue pays for the producers it has."""
         size = _size(slots, capacity)
-        memfd = Fd(segment.made(size, lambda n: segment.new_memfd("smp-queue-board", n)))
+        memfd = Fd(segment.made(size, lambda n: segment.new_memfd("smp-queue-board", RINGS)))
         try:
+            os.ftruncate(memfd.fd, size)
             fcntl.fcntl(memfd.fd, fcntl.F_ADD_SEALS, segment.SEALS)
             mm = segment.map_fd(memfd.fd, size)
-            with memoryview(mm) as mv, mv.cast("I") as u32, mv.cast("Q") as u64:
+            with memoryview(mm)[:RINGS] as mv, mv.cast("I") as u32:
                 u32[O_MAGIC // 4], u32[O_VERSION // 4] = MAGIC, VERSION
                 u32[O_SLOTS // 4], u32[O_CAPACITY // 4] = slots, capacity
-                for s in range(slots):
-                    b = RINGS + s * (ring.HEADER + capacity)
-                    u32[(b + ring.O_MAGIC) // 4] = ring.MAGIC
-                    u32[(b + ring.O_VERSION) // 4] = ring.VERSION
-                    u64[(b + ring.O_CAPACITY) // 8] = capacity
             efd = Fd(os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK))
         except BaseException:
             memfd.close()
@@ -332,6 +332,10 @@ class Board:
         else:
             self._slot, self._retry = -2, time.monotonic() + _NO_SLOT_RETRY
             return None
+        if not self._prepare(s):
+            _ofd_unlock(fd, s)
+            self._slot, self._retry = -2, time.monotonic() + _NO_SLOT_RETRY
+            return None
         _ofd_lock(fd, TABLE_LOCK, wait=True)
         try:
             if self._u32[O_USED // 4] <= s:
@@ -341,6 +345,21 @@ class Board:
         self._writer = self._writer_ring(s)
         self._slot, self._sent_at = s, (O_TABLE + 16 * s) // 4
         return self._writer
+
+    def _prepare(self, s: int) -> bool:
+        """(slot ``s`` locked) Its ring's memory reserved (a shortage: False, and this
+        process sends by the socket: never SIGBUS at a write) and its header written once."""
+        b = self._bases[s]
+        try:
+            os.posix_fallocate(self._memfd.fd, b, ring.HEADER + self._cap)
+        except OSError:
+            return False
+        u32 = self._u32
+        if u32[(b + ring.O_MAGIC) // 4] != ring.MAGIC:
+            u32[(b + ring.O_VERSION) // 4] = ring.VERSION
+            self._u64[(b + ring.O_CAPACITY) // 8] = self._cap
+            u32[(b + ring.O_MAGIC) // 4] = ring.MAGIC
+        return True
 
     def send(self, sock: socket.socket, window: Window, payload: Any, fds: Any, flags: int,
              flight: int | None, block: bool) -> bool:
@@ -355,8 +374,8 @@ class Board:
                 w = self._claim()
             if w is not None and not fds and flags < fdpass.TAGGED and \
                     len(payload) <= self._limit and not (flight or getattr(fds, "flight", 0)) \
-                    and (self._fits(len(payload)) or block and self._room_soon(len(payload))):
-                w.try_put(_REC.pack(flags, _stamp()) + payload)
+                    and (self._fits(len(payload)) or block and self._room_soon(len(payload))) \
+                    and w.try_put(_REC.pack(flags, _stamp()) + payload):
                 if self._u32[O_SLEEPERS // 4]:
                     _wake(self._efd.fd)
                 return True
