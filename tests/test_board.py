@@ -10,6 +10,7 @@ import mmap
 import os
 import queue
 import signal
+import socket
 import struct
 import threading
 import time
@@ -41,6 +42,7 @@ def impl(request, monkeypatch):
     if request.param == "twin":
         monkeypatch.setattr(board, "_first", board._first_py)
         monkeypatch.setattr(board, "_pop", board._pop_py)
+        monkeypatch.setattr(board, "_take", board._take_py)
         monkeypatch.setattr(ring, "Ring", ring.Twin)
         monkeypatch.setenv("SHAREDMP_NO_EXTENSIONS", "1")
     return request.param
@@ -207,6 +209,37 @@ def test_memory_is_reserved_a_ring_per_producer_that_takes_one():
     assert [(p, s) for p, s, _ in got] == [(0, 0), (1, 0), (1, 1), (2, 0)]
 
 
+def test_a_consumer_that_stops_leaves_what_it_did_not_return():
+    """A record stamped before the socket's head frame but published while a consumer takes
+    that frame (the race is made here: the record is put from inside the consumer's read)
+    goes first; the frame must stay for the next consumer, not go with one that stops after
+    one get (a consumer that read the frame and kept it for itself lost it on exit)."""
+    from conftest import fork_and_wait
+    q = mp.Queue()
+    q._creator = -1                              # (put() synchronous here, as in a child)
+    q.put(cw.mixed_item(0, 2))                   # a shared array: fds, by the socket
+
+    def consume_once():
+        real_recv, real_stamp = fdpass.recv_frame, board._stamp
+
+        def racing(*args, **kwargs):
+            fdpass.recv_frame, board._stamp = real_recv, lambda: 1
+            try:
+                q.put(cw.mixed_item(1, 0))       # a tuple: this child's ring, stamped first
+            finally:
+                board._stamp = real_stamp
+            return real_recv(*args, **kwargs)
+
+        fdpass.recv_frame = racing
+        got = q.get(timeout=TIMEOUT)
+        return cw.mixed_ok(got) and fdpass.recv_frame is real_recv
+
+    assert fork_and_wait(consume_once) == 0
+    left = q.get(timeout=TIMEOUT)
+    assert cw.mixed_ok(left)
+    assert board_of(q)._u32[board.O_USED // 4] >= 1
+
+
 def test_several_sleeping_consumers_take_every_message():
     """Four consumers asleep in get(); a producer that pauses: a lost wake-up leaves a
     message unread while they sleep (their gets time out: nothing is lost either way)."""
@@ -298,35 +331,140 @@ def test_the_smallest_stamp_goes_first(fns):
     mm.close()
 
 
-@pytest.mark.parametrize("fns", impls(), ids=lambda f: f[0].__module__)
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_hostile_boards_raise_and_both_agree(fns, data):
+def test_hostile_boards_raise_and_both_agree(data):
     """Random bytes over the counters and records: a ProtocolError (or a record within
-    bounds), the same from both implementations; never a crash."""
-    mm, mv = fake_board()
-    struct.pack_into("<I", mv, board.O_USED, 2)
-    put_record(mv, 0, 4096, b"x" * 30)
+    bounds), the same from both implementations, each on its own copy; never a crash."""
+    base_mm, base = fake_board()
+    struct.pack_into("<I", base, board.O_USED, 2)
+    put_record(base, 0, 4096, b"x" * 30)
     for _ in range(data.draw(st.integers(1, 6))):
         where = data.draw(st.sampled_from([
             board.O_USED, board.RINGS + ring.O_HEAD, board.RINGS + ring.O_TAIL,
             board.RINGS + ring.HEADER, board.RINGS + ring.HEADER + 4,
             board.RINGS + ring.HEADER + 4096 - 8, board.RINGS + ring.HEADER + ring.O_TAIL]))
-        mv[where:where + 8] = data.draw(st.binary(min_size=8, max_size=8))
+        base[where:where + 8] = data.draw(st.binary(min_size=8, max_size=8))
     results = []
     for first, pop in impls():
+        mm = mmap.mmap(-1, len(base))
+        mm[:] = bytes(base)
         try:
             s, _, _ = first(mm, 2, 4096)
             results.append(("ok", None if s < 0 else pop(mm, 2, 4096, s)))
-            # (undo the pop for the other implementation: a fresh copy each time is simpler)
         except ProtocolError:
             results.append(("lie", None))
         except (ValueError, RuntimeError) as e:
             results.append(("refused", type(e)))
-        break                                    # (pop moves head: compare on copies below)
-    assert results
-    del mv
-    mm.close()
+        mm.close()
+    assert len(set(map(repr, results))) == 1, results
+    del base
+    base_mm.close()
+
+
+def takes():
+    fns = [board._take_py]
+    module = board.native.load("_cring")
+    if module is not None:
+        fns.append(module.board_take)
+    return fns
+
+
+def socket_with_head(head, stamp):
+    """A queue's socket (both ends) whose head is ``head``: nothing, a tagged frame stamped
+    ``stamp``, an untagged one, the end, a record shorter than a header, or a header that
+    says its tag lies in a memfd."""
+    import socket as socket_module
+    r, w = socket_module.socketpair(socket_module.AF_UNIX, fdpass.SOCK_TYPE)
+    r.setblocking(False)
+    if head == "tagged":
+        fdpass.send_frame(w, board._TAG.pack(1, stamp) + b"frame", [], fdpass.TAGGED | 1)
+    elif head == "untagged":
+        fdpass.send_frame(w, b"plain", [], 1)
+    elif head == "end":
+        w.close()
+    elif head == "short":
+        w.send(b"SM")
+    elif head == "in memfd":
+        w.send(fdpass.HEADER.pack(fdpass.MAGIC, fdpass.VERSION,
+                                  fdpass.TAGGED | fdpass.PAYLOAD_IN_MEMFD, 0, 100) + bytes(16))
+    return r, w
+
+
+@pytest.mark.parametrize("take", takes(), ids=lambda f: f.__module__)
+@pytest.mark.parametrize("frame_stamp, first", [(5, "frame"), (10, "frame"), (20, "record")])
+def test_take_takes_the_oldest_and_leaves_the_rest(take, frame_stamp, first):
+    """A record stamped 10 and a frame: the older first (a tie: the frame), the other left
+    where it is; then the other; then nothing; the socket's end only once the rings are
+    empty."""
+    mm, mv = fake_board()
+    struct.pack_into("<I", mv, board.O_USED, 1)
+    put_record(mv, 0, 4096, b"record", stamp=10)
+    struct.pack_into("<I", mv, board.O_TABLE, 1)
+    r, w = socket_with_head("tagged", frame_stamp)
+    try:
+        order = []
+        for _ in range(2):
+            got = take(mm, 1, 4096, r, fdpass.recv_frame)
+            order.append("frame" if got[0] == b"frame" else "record")
+        assert order[0] == first and set(order) == {"frame", "record"}
+        assert struct.unpack_from("<I", mv, board.O_TAKEN)[0] == 1
+        assert take(mm, 1, 4096, r, fdpass.recv_frame) is None
+        put_record(mv, 0, 4096, b"last", stamp=30)
+        w.close()
+        assert take(mm, 1, 4096, r, fdpass.recv_frame)[0] == b"last"
+        with pytest.raises(EOFError):
+            take(mm, 1, 4096, r, fdpass.recv_frame)
+    finally:
+        r.close()
+        w.close()
+        del mv
+        mm.close()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_take_differential(seed):
+    """board_take and its twin, given the same board (records, frames counted waiting, now
+    and then a corruption) and the same socket head: the same answer, the same counts, and
+    the frame left in the socket unless taken."""
+    import random
+    rnd = random.Random(seed)
+    base_mm, base = fake_board()
+    struct.pack_into("<I", base, board.O_USED, 2)
+    for i in range(rnd.randint(0, 3)):
+        put_record(base, rnd.randint(0, 1), 4096, bytes(rnd.randint(0, 50)), stamp=rnd.randint(1, 9))
+    if rnd.random() < 0.6:
+        struct.pack_into("<I", base, board.O_TABLE, 1)       # a frame counted sent
+    if rnd.random() < 0.2:
+        where = rnd.choice([board.O_USED, board.RINGS + ring.O_HEAD, board.RINGS + ring.O_TAIL,
+                            board.RINGS + ring.HEADER + 4])
+        base[where:where + 8] = rnd.randbytes(8)
+    head = rnd.choice(["none", "tagged", "untagged", "end", "short", "in memfd"])
+    stamp = rnd.randint(0, 12)
+    answers = []
+    for take in takes():
+        mm = mmap.mmap(-1, len(base))
+        mm[:] = bytes(base)
+        r, w = socket_with_head(head, stamp)
+        try:
+            got = take(mm, 2, 4096, r, fdpass.recv_frame)
+            if isinstance(got, tuple):
+                fdpass.close_all(got[1])
+                got = (bytes(got[0]), len(got[1]), got[2])
+            try:
+                left = len(r.recv(64, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                left = None
+            answers.append((got, struct.unpack_from("<I", mm, board.O_TAKEN)[0], left))
+        except Exception as e:
+            answers.append(type(e).__name__)
+        finally:
+            r.close()
+            w.close()
+            mm.close()
+    assert len(set(map(repr, answers))) == 1, (head, stamp, answers)
+    del base
+    base_mm.close()
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -471,6 +609,7 @@ def test_queue_model(kind, monkeypatch):
     if kind == "twin":
         monkeypatch.setattr(board, "_first", board._first_py)
         monkeypatch.setattr(board, "_pop", board._pop_py)
+        monkeypatch.setattr(board, "_take", board._take_py)
         monkeypatch.setattr(ring, "Ring", ring.Twin)
     QueueModel.TestCase.settings = settings(max_examples=25, stateful_step_count=12,
                                             deadline=None)

@@ -11,12 +11,14 @@ mapping. Everything read from the mapping is checked before use: the peer is not
 #include <structmember.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 /* Offsets in the header (ring.py: HEADER and the O_* names; the same numbers) */
@@ -817,33 +819,26 @@ static int front(board *bd, uint64_t s, uint64_t *h_out, uint64_t *skip, uint64_
     return 1;
 }
 
-/* board_first(mapping, slots, capacity) -> (slot, stamp, frames waiting): the ring record
-   with the smallest stamp (slot -1: none), looked for until a look finds no smaller one (a
-   record published before it is then seen), and whether tagged frames wait in the socket
-   (counted after). The consumers' lock held. board.py's _first_py is its twin. */
-static PyObject *board_first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* The ring record with the smallest stamp (*best -1: none), looked for until a look finds
+   no smaller one (a record published before it is then seen), and whether tagged frames
+   wait in the socket (counted after); -1 on a lie. */
+static int first(board *bd, long long *best_out, uint64_t *stamp_out, int *waiting)
 {
-    Py_buffer b;
-    board bd;
-    if (board_of(module, args, nargs, 3, &b, &bd) < 0)
-        return NULL;
     long long best = -1;
     uint64_t best_stamp = 0;
     for (int pass = 0; pass < 64; pass++) {
         long long was = best;
         uint64_t was_stamp = best_stamp;
         best = -1;
-        for (uint64_t s = 0; s < bd.used; s++) {
+        for (uint64_t s = 0; s < bd->used; s++) {
             uint64_t h, skip, p;
             uint32_t len;
-            int r = front(&bd, s, &h, &skip, &p, &len);
-            if (r < 0) {
-                PyBuffer_Release(&b);
-                return NULL;
-            }
+            int r = front(bd, s, &h, &skip, &p, &len);
+            if (r < 0)
+                return -1;
             if (r == 0)
                 continue;
-            unsigned char *data = bd.base + B_RINGS + s * (HEADER + bd.cap) + HEADER;
+            unsigned char *data = bd->base + B_RINGS + s * (HEADER + bd->cap) + HEADER;
             uint64_t stamp = le64(data + p + 5);
             if (best < 0 || stamp < best_stamp) {
                 best = (long long)s;
@@ -853,13 +848,54 @@ static PyObject *board_first(PyObject *module, PyObject *const *args, Py_ssize_t
         if (best == was && best_stamp == was_stamp)
             break;
     }
-    uint32_t sent = atomic_load_explicit(word32(bd.base, B_XSENT), memory_order_acquire);
-    for (uint64_t s = 0; s < bd.used; s++)
-        sent += atomic_load_explicit(word32(bd.base, B_TABLE + 16 * s), memory_order_acquire);
-    uint32_t taken = atomic_load_explicit(word32(bd.base, B_TAKEN), memory_order_relaxed);
+    uint32_t sent = atomic_load_explicit(word32(bd->base, B_XSENT), memory_order_acquire);
+    for (uint64_t s = 0; s < bd->used; s++)
+        sent += atomic_load_explicit(word32(bd->base, B_TABLE + 16 * s), memory_order_acquire);
+    uint32_t taken = atomic_load_explicit(word32(bd->base, B_TAKEN), memory_order_relaxed);
+    *best_out = best;
+    *stamp_out = best_stamp;
+    *waiting = sent != taken;
+    return 0;
+}
+
+/* Slot s's front record, taken: its payload (*kind its kind); NULL with an exception set. */
+static PyObject *pop(board *bd, uint64_t s, unsigned *kind)
+{
+    uint64_t h, skip, p;
+    uint32_t len;
+    int r = front(bd, s, &h, &skip, &p, &len);
+    if (r <= 0) {
+        if (r == 0)
+            PyErr_SetString(PyExc_RuntimeError, "board_pop: the ring is empty");
+        return NULL;
+    }
+    unsigned char *ring = bd->base + B_RINGS + s * (HEADER + bd->cap), *q = ring + HEADER + p + 4;
+    PyObject *payload = PyBytes_FromStringAndSize((const char *)q + B_REC, len - B_REC);
+    if (payload == NULL)
+        return NULL;
+    *kind = q[0];
+    atomic_store_explicit(word64(ring, O_HEAD), h + skip + align8(4 + (uint64_t)len),
+                          memory_order_release);
+    atomic_thread_fence(memory_order_seq_cst);
+    return payload;
+}
+
+/* board_first(mapping, slots, capacity) -> (slot, stamp, frames waiting): see first(). The
+   consumers' lock held. board.py's _first_py is its twin. */
+static PyObject *board_first(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer b;
+    board bd;
+    if (board_of(module, args, nargs, 3, &b, &bd) < 0)
+        return NULL;
+    long long best;
+    uint64_t stamp;
+    int waiting;
+    int r = first(&bd, &best, &stamp, &waiting);
     PyBuffer_Release(&b);
-    return Py_BuildValue("(LKO)", best, (unsigned long long)best_stamp,
-                         sent != taken ? Py_True : Py_False);
+    if (r < 0)
+        return NULL;
+    return Py_BuildValue("(LKO)", best, (unsigned long long)stamp, waiting ? Py_True : Py_False);
 }
 
 /* board_pop(mapping, slots, capacity, slot) -> (kind, payload): slot's front record, taken
@@ -872,28 +908,167 @@ static PyObject *board_pop(PyObject *module, PyObject *const *args, Py_ssize_t n
         return NULL;
     PyObject *out = NULL;
     unsigned long long s = PyLong_AsUnsignedLongLong(args[3]);
-    uint64_t h, skip, p;
-    uint32_t len;
     if (PyErr_Occurred())
         goto done;
     if (s >= bd.used) {
         PyErr_SetString(PyExc_ValueError, "board_pop: no such slot");
         goto done;
     }
-    int r = front(&bd, s, &h, &skip, &p, &len);
-    if (r <= 0) {
-        if (r == 0)
-            PyErr_SetString(PyExc_RuntimeError, "board_pop: the ring is empty");
-        goto done;
+    unsigned kind;
+    PyObject *payload = pop(&bd, s, &kind);
+    if (payload != NULL)
+        out = Py_BuildValue("(IN)", kind, payload);
+done:
+    PyBuffer_Release(&b);
+    return out;
+}
+
+/* The socket's head frame (MSG_PEEK: it stays there): 0 none, 1 one stamped *stamp, 2 one
+   that goes before any record (untagged, or what recv_frame refuses), 3 the socket's end
+   (after every record), 4 a tagged frame whose tag lies in its memfd; -1 on an error. */
+#define F_HEADER 16
+#define F_MEMFD 0x40
+static int head(int fd, uint64_t *stamp)
+{
+    unsigned char buf[F_HEADER + 16];
+    ssize_t n;
+    do {
+        n = recv(fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return 0;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
     }
-    unsigned char *ring = bd.base + B_RINGS + s * (HEADER + bd.cap), *q = ring + HEADER + p + 4;
-    PyObject *payload = PyBytes_FromStringAndSize((const char *)q + B_REC, len - B_REC);
-    if (payload == NULL)
-        goto done;
-    atomic_store_explicit(word64(ring, O_HEAD), h + skip + align8(4 + (uint64_t)len),
+    if (n == 0)
+        return 3;
+    if (n < F_HEADER || !(buf[3] & B_TAGGED))
+        return 2;
+    if (buf[3] & F_MEMFD)
+        return 4;
+    if (n < (ssize_t)sizeof buf)
+        return 2;
+    *stamp = le64(buf + F_HEADER + 8);
+    return 1;
+}
+
+/* The socket's head frame, read with recv_frame(sock, False): (payload without its tag,
+   fds, kind), counted as taken if tagged; None if none is there. */
+static PyObject *take_frame(board *bd, PyObject *sock, PyObject *recv)
+{
+    PyObject *frame = PyObject_CallFunctionObjArgs(recv, sock, Py_False, NULL);
+    if (frame == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_BlockingIOError)) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    PyObject *payload, *fds, *kind_obj;
+    if (!PyArg_ParseTuple(frame, "OOO", &payload, &fds, &kind_obj)) {
+        Py_DECREF(frame);
+        return NULL;
+    }
+    long kind = PyLong_AsLong(kind_obj);
+    if (kind == -1 && PyErr_Occurred()) {
+        Py_DECREF(frame);
+        return NULL;
+    }
+    if (!(kind & B_TAGGED))
+        return frame; /* (a producer that could not lock: no /proc) */
+    Py_ssize_t n = PyObject_Length(payload);
+    if (n < 0) {
+        Py_DECREF(frame);
+        return NULL;
+    }
+    if (n < 16) {
+        for (Py_ssize_t i = 0; PyList_Check(fds) && i < PyList_GET_SIZE(fds); i++) {
+            long v = PyLong_AsLong(PyList_GET_ITEM(fds, i));
+            if (v >= 0 && v <= INT_MAX)
+                close((int)v);
+        }
+        PyErr_Clear();
+        Py_DECREF(frame);
+        PyErr_SetString(bd->protocol_error, "a queue's tagged frame is shorter than its tag");
+        return NULL;
+    }
+    PyObject *rest;
+    if (PyByteArray_CheckExact(payload)) { /* (read from a memfd: large; no copy) */
+        if (PySequence_DelSlice(payload, 0, 16) < 0) {
+            Py_DECREF(frame);
+            return NULL;
+        }
+        rest = Py_NewRef(payload);
+    } else {
+        rest = PySequence_GetSlice(payload, 16, n);
+        if (rest == NULL) {
+            Py_DECREF(frame);
+            return NULL;
+        }
+    }
+    a32 *taken = word32(bd->base, B_TAKEN);
+    atomic_store_explicit(taken, atomic_load_explicit(taken, memory_order_relaxed) + 1,
                           memory_order_release);
-    atomic_thread_fence(memory_order_seq_cst);
-    out = Py_BuildValue("(IN)", (unsigned)q[0], payload);
+    PyObject *out = Py_BuildValue("(NOl)", rest, fds, kind & ~(long)B_TAGGED);
+    Py_DECREF(frame);
+    return out;
+}
+
+/* board_take(mapping, slots, capacity, sock, recv_frame) -> the next message, the
+   consumers' lock held: (payload, fds, kind) (a ring record or the socket's head frame,
+   taken), None (nothing now) or 2 (the head frame's stamp lies in its memfd: the caller
+   looks). The oldest goes first; the socket's head is looked at, not taken, until it is
+   known to go first (a frame read before would be this consumer's alone to deliver), and
+   the rings looked at again after it (a record published before the frame was sent is
+   then seen; a tie goes to the frame: a record stamped in the same tick by its producer
+   was put after it). Twin: board.py's _take_py. */
+static PyObject *board_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "board_take takes 5 arguments");
+        return NULL;
+    }
+    int fd = PyObject_AsFileDescriptor(args[3]);
+    if (fd < 0)
+        return NULL;
+    Py_buffer b;
+    board bd;
+    if (board_of(module, args, 3, 3, &b, &bd) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    long long s;
+    uint64_t stamp, frame_stamp = 0;
+    int waiting;
+    if (first(&bd, &s, &stamp, &waiting) < 0)
+        goto done;
+    if (waiting || s < 0) {
+        int h = head(fd, &frame_stamp);
+        if (h < 0)
+            goto done;
+        if (h == 4) {
+            out = PyLong_FromLong(2);
+            goto done;
+        }
+        int goes = h == 2 || (h == 3 && s < 0) || (h == 1 && (s < 0 || frame_stamp <= stamp));
+        if (goes && h != 2) { /* (what was published before it) */
+            if (first(&bd, &s, &stamp, &waiting) < 0)
+                goto done;
+            goes = s < 0 || (h == 1 && frame_stamp <= stamp);
+        }
+        if (goes) {
+            out = take_frame(&bd, args[3], args[4]);
+            goto done;
+        }
+    }
+    if (s < 0) {
+        out = Py_NewRef(Py_None);
+    } else {
+        unsigned kind;
+        PyObject *payload = pop(&bd, (uint64_t)s, &kind);
+        if (payload != NULL)
+            out = Py_BuildValue("(N[]I)", payload, kind);
+    }
 done:
     PyBuffer_Release(&b);
     return out;
@@ -904,6 +1079,8 @@ static PyMethodDef module_functions[] = {
      "board_first(mapping, slots, capacity) -> (slot, stamp, frames waiting) (board.py)"},
     {"board_pop", (PyCFunction)(void (*)(void))board_pop, METH_FASTCALL,
      "board_pop(mapping, slots, capacity, slot) -> (kind, payload) (board.py)"},
+    {"board_take", (PyCFunction)(void (*)(void))board_take, METH_FASTCALL,
+     "board_take(mapping, slots, capacity, sock, recv_frame) -> (payload, fds, kind), None or 2 (board.py)"},
     {NULL, NULL, 0, NULL},
 };
 

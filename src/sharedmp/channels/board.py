@@ -20,14 +20,13 @@ take turns under the queue's ``_rlock`` (held by ``get`` for one non-blocking ta
 taken here by a raw ``recv``/``poll`` that does not hold it) and take the oldest message
 they can see: the ring record of smallest stamp (``board_first`` looks until a look finds
 nothing older: a record published before the one it found is seen), or the socket's head
-frame if frames are counted waiting and its stamp (``MSG_PEEK``) is not larger (a tie goes
-to the frame). With the rings empty the frame is read at once, then the rings looked at
-again: a record published meanwhile and stamped before it goes first, and this consumer
-keeps the frame for its next take. So each producer's messages arrive in the order it put
-them, and a message put after another's ``put()`` returned arrives after it, whichever path
-each took. EOF comes once the socket ended and the rings are empty. A producer killed
-anywhere leaves nothing half-sent: a record is published whole or not at all (ring.py), a
-frame is one ``sendmsg``.
+frame if its stamp (``MSG_PEEK``: the frame stays in the socket until it is known to go
+first) is not larger (a tie goes to the frame); the rings are looked at again after the
+peek (``board_take`` does it all in one call). So each producer's messages arrive in the
+order it put them, and a message put after another's ``put()`` returned arrives after it,
+whichever path each took. EOF comes once the socket ended and the rings are empty. A
+producer killed anywhere leaves nothing half-sent: a record is published whole or not at
+all (ring.py), a frame is one ``sendmsg``.
 
 Sleeping. Consumers that find nothing announce themselves in ``sleepers`` (under
 ``_rlock``), look once more, and sleep on the board's eventfd and the socket; a producer
@@ -82,7 +81,7 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock (x86-64, arm64)
 _PEEK = fdpass.HEADER.size + _TAG.size
 _MSG_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 _stamp = time.monotonic_ns
-_END = 1 << 64                     # the socket's end: after every stamp
+_IN_MEMFD = 2                      # (board_take: the head frame's stamp lies in its memfd)
 _ROOM_WAIT = 0.005                 # a producer whose ring is full waits for room this long
 _NO_SLOT_RETRY = 1.0               # a producer that found no free slot looks again after
 
@@ -156,7 +155,6 @@ class Board:
         self._tail = [(b + ring.O_TAIL) // 8 for b in bases]
         self._bases = bases
         self._view: memoryview | None = None        # (the writer ring's)
-        self._held: tuple[int, tuple[Any, list[int], int]] | None = None
         self._armed = False
         self._epoll: select.epoll | None = None
         self._users = 0
@@ -262,9 +260,6 @@ class Board:
         if self._closed:
             return
         self._closed = True
-        if self._held is not None:
-            fdpass.close_all(self._held[1][1])
-            self._held = None
         self._drop(inherited=False)    # (a thread in a put sees the ring closed: OSError)
         if self._epoll is not None:
             self._epoll.close()
@@ -292,13 +287,6 @@ class Board:
                 pass
 
     def _forked_child(self) -> None:
-        if self._held is not None:            # (the parent's to deliver)
-            for fd in self._held[1][1]:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._held = None
         self._drop(inherited=True)
         self._reset_writer()
         self._armed = False
@@ -450,89 +438,15 @@ class Board:
             self._armed = False
             self._u32[O_SLEEPERS // 4] -= 1
         mm, slots, cap = self._mm, self._slots, self._cap
-        s, stamp, waiting = _first(mm, slots, cap)
-        held = self._held
-        if held is not None:
-            if s < 0 or held[0] <= stamp:
-                self._held = None
-                return held[1]
-        elif s < 0:
-            # The rings are empty: the socket's head is read at once (a peek of a frame with
-            # fds costs 2 us), then the rings looked at again: a record published meanwhile
-            # and stamped before the frame goes first, and this process keeps the frame for
-            # its next take (it would go first at the next take of any consumer too).
-            taken = self._take_frame(sock)
-            if taken is None:
-                return None
-            s, stamp, _ = _first(mm, slots, cap)
-            if s < 0 or taken[0] <= stamp:
-                return taken[1]
-            self._held = taken
-        elif waiting:
-            # (a tie goes to the frame: a record stamped in the same tick by its producer
-            # was put after it)
-            frame_stamp = self._head_stamp(sock)
-            if frame_stamp is not None and frame_stamp <= stamp:
-                s, stamp, _ = _first(mm, slots, cap)       # (what was published before it)
-                if s < 0 or frame_stamp <= stamp:
-                    taken = self._take_frame(sock)
-                    if taken is not None:
-                        return taken[1]
-        if s < 0:
-            return None
-        kind, payload = _pop(mm, slots, cap, s)
-        return payload, [], kind
-
-    def _head_stamp(self, sock: socket.socket) -> int | None:
-        """The stamp of the socket's head frame (``MSG_PEEK``): None if there is none, -1
-        if it is not a tagged frame (what ``recv_frame`` refuses, or returns untagged), and
-        at the socket's end a stamp after every record's (EOF once the rings are empty)."""
-        try:
-            head = sock.recv(_PEEK, _MSG_PEEK)
-        except BlockingIOError:
-            return None
-        if not head:
-            return _END
-        if len(head) < fdpass.HEADER.size or not head[3] & fdpass.TAGGED:
-            return -1
-        if not head[3] & fdpass.PAYLOAD_IN_MEMFD:
-            if len(head) < _PEEK:
-                return -1
-            return int(_TAG.unpack_from(head, fdpass.HEADER.size)[1])
-        # (a payload larger than a record: the tag starts the memfd's part)
-        data, anc, _, _ = sock.recvmsg(_PEEK, socket.CMSG_SPACE(4 * fdpass.MAX_FDS_PER_MSG),
-                                       _MSG_PEEK | fdpass._CLOEXEC)
-        fds: list[int] = []
-        try:
-            fdpass._take_fds(anc, 0, fds)
-            if not fds or len(data) < fdpass.HEADER.size + 8:
-                return -1
-            offset = _U64.unpack_from(data, fdpass.HEADER.size)[0]
-            raw = os.pread(fds[-1], _TAG.size, offset)
-            return -1 if len(raw) != _TAG.size else int(_TAG.unpack(raw)[1])
-        finally:
-            fdpass.close_all(fds)
-
-    def _take_frame(self, sock: socket.socket) -> tuple[int, tuple[Any, list[int], int]] | None:
-        """(stamp, frame) of the socket's head frame, taken; None if there is none."""
-        try:
-            payload, fds, kind = fdpass.recv_frame(sock, block=False)
-        except BlockingIOError:
-            return None
-        if not kind & fdpass.TAGGED:
-            return -1, (payload, fds, kind)   # (a producer that could not lock: no /proc)
-        if len(payload) < _TAG.size:
-            fdpass.close_all(fds)
-            raise ProtocolError("a queue's tagged frame is shorter than its tag")
-        self._u32[O_TAKEN // 4] = (self._u32[O_TAKEN // 4] + 1) & 0xFFFFFFFF
-        stamp = _TAG.unpack_from(payload)[1]
-        return stamp, (payload[_TAG.size:], fds, kind & ~fdpass.TAGGED)
+        got = _take(mm, slots, cap, sock, fdpass.recv_frame)
+        if got.__class__ is int:          # (the head frame's stamp lies in its memfd)
+            got = _take_py(mm, slots, cap, sock, fdpass.recv_frame, _head_in_memfd, _first,
+                           _pop)
+        return got  # type: ignore[no-any-return]
 
     def ready(self, sock_ready: Any) -> bool:
         """Whether a take may find something (no lock: a hint): a record in a ring, or the
         socket readable."""
-        if self._held is not None:
-            return True
         u64, head, tail = self._u64, self._head, self._tail
         for s in range(min(self._u32[O_USED // 4], self._slots)):
             if u64[head[s]] != u64[tail[s]]:
@@ -645,6 +559,95 @@ def _pop_py(mapping: Any, slots: int, capacity: int, s: int) -> tuple[int, bytes
     return kind, payload
 
 
+def _head_py(sock: socket.socket) -> tuple[int, int]:
+    """(what, stamp) of the socket's head frame, looked at (``MSG_PEEK``), not taken: what
+    is 0 (none), 1 (a frame stamped ``stamp``), 2 (one that goes before any record:
+    untagged, or what ``recv_frame`` refuses), 3 (the socket's end: after every record) or
+    4 (a tagged frame whose tag lies in its memfd). The twin of ``_cring``'s ``head``."""
+    try:
+        head = sock.recv(_PEEK, _MSG_PEEK)
+    except BlockingIOError:
+        return 0, 0
+    if not head:
+        return 3, 0
+    if len(head) < fdpass.HEADER.size or not head[3] & fdpass.TAGGED:
+        return 2, 0
+    if head[3] & fdpass.PAYLOAD_IN_MEMFD:
+        return 4, 0
+    if len(head) < _PEEK:
+        return 2, 0
+    return 1, int(_TAG.unpack_from(head, fdpass.HEADER.size)[1])
+
+
+def _head_in_memfd(sock: socket.socket) -> tuple[int, int]:
+    """``_head_py``, the stamp of a frame whose payload (and tag) lie in its memfd read
+    there (peeked with its fds, closed after)."""
+    what, stamp = _head_py(sock)
+    if what != 4:
+        return what, stamp
+    data, anc, _, _ = sock.recvmsg(_PEEK, socket.CMSG_SPACE(4 * fdpass.MAX_FDS_PER_MSG),
+                                   _MSG_PEEK | fdpass._CLOEXEC)
+    fds: list[int] = []
+    try:
+        fdpass._take_fds(anc, 0, fds)
+        if not fds or len(data) < fdpass.HEADER.size + 8:
+            return 2, 0
+        offset = _U64.unpack_from(data, fdpass.HEADER.size)[0]
+        raw = os.pread(fds[-1], _TAG.size, offset)
+        return (2, 0) if len(raw) != _TAG.size else (1, int(_TAG.unpack(raw)[1]))
+    finally:
+        fdpass.close_all(fds)
+
+
+def _take_py(mapping: Any, slots: int, capacity: int, sock: socket.socket, recv: Any,
+             head: Any = _head_py, first: Any = _first_py, pop: Any = _pop_py) -> Any:
+    """The next message, the consumers' lock held: (payload, fds, kind) (a ring record or
+    the socket's head frame, taken: ``recv(sock, False)``), None (nothing now) or
+    ``_IN_MEMFD`` (the head frame's stamp lies in its memfd: ``head`` was not told to look
+    there). The oldest goes first; the socket's head is looked at, not taken, until it is
+    known to go first (a frame read before would be this consumer's alone to deliver), and
+    the rings looked at again after it (a record published before the frame was sent is
+    then seen; a tie goes to the frame: a record stamped in the same tick by its producer
+    was put after it). The twin of ``_cring.board_take``."""
+    s, stamp, waiting = first(mapping, slots, capacity)
+    if waiting or s < 0:
+        what, frame_stamp = head(sock)
+        if what == 4:
+            return _IN_MEMFD
+        goes = what == 2 or (what == 3 and s < 0) or \
+            (what == 1 and (s < 0 or frame_stamp <= stamp))
+        if goes and what != 2:
+            s, stamp, _ = first(mapping, slots, capacity)
+            goes = s < 0 or (what == 1 and frame_stamp <= stamp)
+        if goes:
+            return _frame_py(mapping, sock, recv)
+    if s < 0:
+        return None
+    kind, payload = pop(mapping, slots, capacity, s)
+    return payload, [], kind
+
+
+def _frame_py(mapping: Any, sock: socket.socket, recv: Any) -> Any:
+    """The socket's head frame, ``recv(sock, False)``: (payload without its tag, fds,
+    kind), counted as taken if tagged; None if none is there."""
+    try:
+        payload, fds, kind = recv(sock, False)
+    except BlockingIOError:
+        return None
+    if not kind & fdpass.TAGGED:
+        return payload, fds, kind         # (a producer that could not lock: no /proc)
+    if len(payload) < _TAG.size:
+        fdpass.close_all(fds)
+        raise ProtocolError("a queue's tagged frame is shorter than its tag")
+    if type(payload) is bytearray:        # (read from a memfd: large; no copy)
+        del payload[:_TAG.size]
+    else:
+        payload = payload[_TAG.size:]
+    with memoryview(mapping) as mv:
+        _U32.pack_into(mv, O_TAKEN, (_U32.unpack_from(mv, O_TAKEN)[0] + 1) & 0xFFFFFFFF)
+    return payload, fds, kind & ~fdpass.TAGGED
+
+
 def _used(mv: memoryview, slots: int) -> int:
     used = _U32.unpack_from(mv, O_USED)[0]
     if used > slots:
@@ -682,12 +685,12 @@ def _lie() -> ProtocolError:
                          "hostile or corrupt peer); the queue is unusable")
 
 
-def _compiled() -> tuple[Any, Any] | None:
+def _compiled() -> tuple[Any, Any, Any] | None:
     module = native.load("_cring")
-    return None if module is None else (module.board_first, module.board_pop)
+    return None if module is None else (module.board_first, module.board_pop, module.board_take)
 
 
-_first, _pop = _compiled() or (_first_py, _pop_py)
+_first, _pop, _take = _compiled() or (_first_py, _pop_py, _take_py)
 
 
 # (dupfd: what DupFd() made)
