@@ -117,3 +117,26 @@ def test_a_forked_child_resets_with_the_collector_off_then_as_the_parent_had_it(
         forks._resets.remove(hook)
         (gc.enable if was else gc.disable)()
     assert code == 0
+
+
+def test_a_failing_fork_hook_is_said_and_the_others_still_run(capfd):
+    from conftest import fork_and_wait
+    from sharedmp import forks
+
+    ran = []
+
+    def failing():
+        raise ValueError("a hook that fails")
+
+    def after():
+        ran.append(1)
+
+    forks.in_child(failing)
+    forks.in_child(after)
+    try:
+        code = fork_and_wait(lambda: ran == [1] and gc.isenabled())
+    finally:
+        forks._resets.remove(failing)
+        forks._resets.remove(after)
+    assert code == 0
+    assert "a hook that fails" in capfd.readouterr().err

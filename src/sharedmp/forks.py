@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 from typing import Any, Callable, MutableMapping
 
@@ -69,13 +70,14 @@ def _collector_back() -> None:
 
 
 def _child() -> None:
-    try:
-        for hook in _renewals:
+    for hook in (*_renewals, *_resets):
+        try:
             hook()
-        for hook in _resets:
-            hook()
-    finally:
-        _collector_back()
+        except BaseException:          # (as os.register_at_fork's hooks: said, the rest run)
+            import traceback
+            print(f"Exception ignored in a fork hook {hook!r}:", file=sys.stderr)
+            traceback.print_exc()
+    _collector_back()
 
 
 # (registered first: its ``before`` runs last, just before the fork, its ``after`` first)
