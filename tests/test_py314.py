@@ -93,8 +93,11 @@ def test_executor_ends_its_workers(how):
                 assert time.monotonic() < deadline, workers
                 time.sleep(0.02)
             # (which exception the running task gets, and which queued tasks a worker took
-            # before it died, varies with timing, for either library)
-            seen[name] = (sorted({p.exitcode for p in workers.values()}),
+            # before it died, varies with timing, for either library; so does a SIGTERM
+            # among the SIGKILLs: the manager thread, seeing a worker killed, terminates the
+            # others, racing kill_workers' own loop)
+            codes = {p.exitcode for p in workers.values()}
+            seen[name] = (-signals[how] in codes and codes <= {-signals[how], -signal.SIGTERM},
                           running.exception(timeout=TIMEOUT) is not None,
                           [f.cancelled() or f.done() for f in queued])
         finally:
@@ -105,7 +108,7 @@ def test_executor_ends_its_workers(how):
                     pass
             ex.shutdown(wait=True, cancel_futures=True)
     assert seen["stdlib"] == seen["sharedmp"], seen
-    assert seen["sharedmp"][0] == [-signals[how]], seen
+    assert seen["sharedmp"][0] is True, seen
 
 
 def test_executor_map_with_a_buffer_reads_its_input_lazily():
