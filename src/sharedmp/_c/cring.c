@@ -824,6 +824,14 @@ static int front(board *bd, uint64_t s, uint64_t *h_out, uint64_t *skip, uint64_
    wait in the socket (counted after); -1 on a lie. */
 static int first(board *bd, long long *best_out, uint64_t *stamp_out, int *waiting)
 {
+    /* (read again at each look: a slot claimed since the last one is looked at too) */
+    uint32_t used = atomic_load_explicit(word32(bd->base, B_USED), memory_order_acquire);
+    if (used > bd->slots) {
+        PyErr_Format(bd->protocol_error, "a queue's board says %u of its %llu slots are used",
+                     used, (unsigned long long)bd->slots);
+        return -1;
+    }
+    bd->used = used;
     long long best = -1;
     uint64_t best_stamp = 0;
     for (int pass = 0; pass < 64; pass++) {
