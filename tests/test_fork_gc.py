@@ -140,3 +140,36 @@ def test_a_failing_fork_hook_is_said_and_the_others_still_run(capfd):
         forks._resets.remove(after)
     assert code == 0
     assert "a hook that fails" in capfd.readouterr().err
+
+
+def test_threads_forking_at_once_leave_the_collector_as_it_was():
+    """The fork hooks of two threads interleave (os.fork runs its ``before`` hooks before it
+    serializes): the collector must be back on after all of them, in parent and children."""
+    import os
+    import sys
+    import threading
+    from conftest import TIMEOUT as limit
+
+    failures = []
+
+    def forker():
+        for _ in range(40):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if gc.isenabled() else 3)
+            _, status = os.waitpid(pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                failures.append(status)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                  # (threads switch inside the hooks)
+    try:
+        threads = [threading.Thread(target=forker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(limit)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads)
+    assert gc.isenabled() and not failures

@@ -25,7 +25,10 @@ _Hook = Callable[[], None]
 
 _renewals: list[_Hook] = []
 _resets: list[_Hook] = []
-_collecting = [False]          # (whether the collector ran at the fork)
+# Forks under way in this process, and whether the collector ran before the first of them
+# (two threads may fork at once: their ``before`` hooks are not serialized).
+_forking = [0, False]
+_forking_lock = threading.Lock()
 
 
 def renew_locks(namespace: MutableMapping[str, Any], *names: str) -> None:
@@ -60,16 +63,24 @@ def in_parent(hook: _Hook) -> _Hook:
 
 
 def _collector_off() -> None:
-    _collecting[0] = gc.isenabled()
-    gc.disable()
+    with _forking_lock:
+        if not _forking[0]:
+            _forking[1] = gc.isenabled()
+            gc.disable()
+        _forking[0] += 1
 
 
 def _collector_back() -> None:
-    if _collecting[0]:
-        gc.enable()
+    with _forking_lock:
+        _forking[0] -= 1
+        if not _forking[0] and _forking[1]:
+            gc.enable()
 
 
 def _child() -> None:
+    global _forking_lock
+    _forking_lock = threading.Lock()    # (another thread's fork may hold it: not ours)
+    _forking[0] = 1                     # (this fork alone)
     for hook in (*_renewals, *_resets):
         try:
             hook()
@@ -80,6 +91,7 @@ def _child() -> None:
     _collector_back()
 
 
-# (registered first: its ``before`` runs last, just before the fork, its ``after`` first)
+# (the collector is off from this ``before`` to the end of this ``after``, whatever hooks
+# run between)
 os.register_at_fork(before=_collector_off, after_in_parent=_collector_back,
                     after_in_child=_child)
