@@ -6,6 +6,7 @@ after another was put (a producer joined, then the sentinels) must arrive after 
 producer killed mid-stream leaves nothing half-sent and frees its slot; more producers than
 slots still deliver; the mapping a peer could corrupt is checked by both implementations.
 Every wait is bounded."""
+import errno
 import mmap
 import os
 import queue
@@ -25,7 +26,7 @@ from sharedmp.channels import board, fdpass, ring
 from sharedmp.errors import ProtocolError
 
 import _channel_workers as cw
-from conftest import TIMEOUT, join_or_kill, start_process
+from conftest import TIMEOUT, fork_and_wait, join_or_kill, start_process
 
 IMPLS = ["compiled", "twin"] if ring.Compiled is not None else ["twin"]
 
@@ -177,8 +178,6 @@ def test_memory_is_reserved_a_ring_per_producer_that_takes_one():
     the others'. (The shortage is made up in the child: the memfd is at its full size
     already, so neither RLIMIT_FSIZE nor anything else a test can set here makes shmem's
     fallocate fail.)"""
-    import errno
-    from conftest import fork_and_wait
     q = mp.Queue()
     q._creator = -1                              # (put() synchronous here, as in a child)
     b = board_of(q)
@@ -214,7 +213,6 @@ def test_a_consumer_that_stops_leaves_what_it_did_not_return():
     that frame (the race is made here: the record is put from inside the consumer's read)
     goes first; the frame must stay for the next consumer, not go with one that stops after
     one get (a consumer that read the frame and kept it for itself lost it on exit)."""
-    from conftest import fork_and_wait
     q = mp.Queue()
     q._creator = -1                              # (put() synchronous here, as in a child)
     q.put(cw.mixed_item(0, 2))                   # a shared array: fds, by the socket

@@ -5,13 +5,17 @@ through a sharedmp context. Real processes; every wait bounded, children killed 
 leak fixture if a test fails."""
 import gc
 import multiprocessing
+import os
+import sys
+import threading
 
 import pytest
 
 import sharedmp as mp
+from sharedmp import forks
 
 import _process_workers as w
-from conftest import TIMEOUT, join_or_kill
+from conftest import TIMEOUT, fork_and_wait, join_or_kill
 
 FREEZE = "SHAREDMP_FREEZE_FORKED"
 
@@ -99,8 +103,6 @@ def test_a_forked_child_resets_with_the_collector_off_then_as_the_parent_had_it(
     """A collection while the child renews its locks and resets its tables would run the
     parent's garbage's finalizers (a queue's Connection and its window, in a cycle) against
     state not yet reset: a Pool worker forked so waited forever for a lock (forks.py)."""
-    from conftest import fork_and_wait
-    from sharedmp import forks
 
     during = []
 
@@ -120,8 +122,6 @@ def test_a_forked_child_resets_with_the_collector_off_then_as_the_parent_had_it(
 
 
 def test_a_failing_fork_hook_is_said_and_the_others_still_run(capfd):
-    from conftest import fork_and_wait
-    from sharedmp import forks
 
     ran = []
 
@@ -145,10 +145,6 @@ def test_a_failing_fork_hook_is_said_and_the_others_still_run(capfd):
 def test_threads_forking_at_once_leave_the_collector_as_it_was():
     """The fork hooks of two threads interleave (os.fork runs its ``before`` hooks before it
     serializes): the collector must be back on after all of them, in parent and children."""
-    import os
-    import sys
-    import threading
-    from conftest import TIMEOUT as limit
 
     failures = []
 
@@ -168,7 +164,7 @@ def test_threads_forking_at_once_leave_the_collector_as_it_was():
         for t in threads:
             t.start()
         for t in threads:
-            t.join(limit)
+            t.join(TIMEOUT)
     finally:
         sys.setswitchinterval(interval)
     assert not any(t.is_alive() for t in threads)
