@@ -92,11 +92,6 @@ def semaphore_is_zero(sem: Any) -> bool:
     return sem._semlock._is_zero()  # type: ignore[no-any-return]
 
 
-def lock_is_mine(lock: Any) -> bool:
-    """Whether this thread holds a ``multiprocessing.Lock`` (``_semlock._is_mine()``)."""
-    return lock._semlock._is_mine()  # type: ignore[no-any-return]
-
-
 def fork_server() -> Any:
     """The process's ``multiprocessing.forkserver.ForkServer`` (the module's singleton
     ``_forkserver``, 3.11-3.15)."""

@@ -55,7 +55,7 @@ import weakref
 from multiprocessing.reduction import DupFd
 from typing import TYPE_CHECKING, Any
 
-from .. import _compat, forks, host, native, wire
+from .. import forks, host, native, wire
 from ..errors import ProtocolError
 from ..fds import Fd
 from ..memory import cache, segment
@@ -130,7 +130,7 @@ class _Locked:
 
     def __enter__(self) -> None:
         lock = self._lock
-        self._took = not _compat.lock_is_mine(lock)
+        self._took = not lock.is_mine()
         if self._took:
             lock.acquire()
 

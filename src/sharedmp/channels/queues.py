@@ -9,6 +9,7 @@ Adapted from CPython's multiprocessing/queues.py; changed:
   drain the task queue and counts on no worker reading between its poll() and its recv()),
   but only around a non-blocking read: a consumer waits for a record without the lock, so
   one killed while it waits leaves the queue working for the others (see ``_get_frame``);
+  and one killed while it holds the lock gives it back (``ConsumerLock``, consumer_lock.py);
 - ``put()`` pickles in the calling thread: an unpicklable object raises there and the
   queue stays usable, and the value sent is the value at the time of ``put()``;
 - in every process but the one that created the queue, ``put()`` returns only once the
@@ -42,12 +43,13 @@ from ..memory import cache
 from ..wire import loads
 from . import fdpass
 from .board import Board
+from .consumer_lock import ConsumerLock
 from .connection import Pipe
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
     from multiprocessing.context import BaseContext
-    from multiprocessing.synchronize import BoundedSemaphore, Lock
+    from multiprocessing.synchronize import BoundedSemaphore
 
     from .connection import Connection
 
@@ -119,7 +121,7 @@ class _Held:
         self._held.clear()
 
 
-def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
+def _get_frame(reader: Connection, rlock: ConsumerLock, block: bool = True,
                timeout: float | None = None) -> tuple[bytes | bytearray, list[int], int]:
     """One frame from ``reader``, read while holding ``rlock``; Empty if none came in time.
 
@@ -148,7 +150,7 @@ def _get_frame(reader: Connection, rlock: Lock, block: bool = True,
             raise Empty
 
 
-def _pipe(rlock: Lock) -> tuple[Connection, Connection]:
+def _pipe(rlock: ConsumerLock) -> tuple[Connection, Connection]:
     """A queue's two ends, with a board (board.py) unless $SHAREDMP_QUEUE_RINGS is 0."""
     reader, writer = Pipe(duplex=False)
     if settings.get(settings.QUEUE_RINGS):
@@ -167,14 +169,14 @@ class SimpleQueue:
     """A queue with put/get/empty/close and no buffering thread: put() is synchronous."""
 
     def __init__(self, *, ctx: BaseContext) -> None:
-        self._rlock = ctx.Lock()         # taken by get() (see _get_frame) and by Pool
+        self._rlock = ConsumerLock(ctx)  # taken by get() (see _get_frame) and by Pool
         self._reader, self._writer = _pipe(self._rlock)
 
-    def __getstate__(self) -> tuple[Connection, Connection, Lock]:
+    def __getstate__(self) -> tuple[Connection, Connection, ConsumerLock]:
         _mpcontext.assert_spawning(self)
         return self._reader, self._writer, self._rlock
 
-    def __setstate__(self, state: tuple[Connection, Connection, Lock]) -> None:
+    def __setstate__(self, state: tuple[Connection, Connection, ConsumerLock]) -> None:
         self._reader, self._writer, self._rlock = state
 
     def close(self) -> None:
@@ -201,7 +203,7 @@ class Queue:
         if maxsize <= 0:
             maxsize = SEM_VALUE_MAX
         self._maxsize = maxsize
-        self._rlock = ctx.Lock()         # taken by get() (see _get_frame)
+        self._rlock = ConsumerLock(ctx)  # taken by get() (see _get_frame)
         self._reader, self._writer = _pipe(self._rlock)
         self._sem = ctx.BoundedSemaphore(maxsize)
         self._creator = os.getpid()
