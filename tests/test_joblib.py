@@ -38,7 +38,7 @@ def run(tasks, n_jobs=2, **config):
         return joblib.Parallel(timeout=TIMEOUT)(tasks)
 
 
-def gone(pids, wait=5.0):
+def gone(pids, wait=30.0):
     """True once none of ``pids`` exists (the pool joins its workers: no zombie either)."""
     return eventually(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), wait)
 
@@ -59,7 +59,7 @@ def no_warm_pool_left():
     smj.release_pool()
     yield
     smj.release_pool()
-    assert eventually(lambda: not mp.active_children(), 5), "workers left after release_pool()"
+    assert eventually(lambda: not mp.active_children(), 30), "workers left after release_pool()"
 
 
 # -- registration and import ---------------------------------------------------------------
