@@ -6,7 +6,8 @@ The parent builds the model and its optimizer, moves both into shared memory wit
 evaluates the shared model while they train and feeds the progress bar from the board.
 It stops the workers through the board (Ctrl-C, timeout, a failed worker): they return
 normally, so nothing prints a traceback; what has not returned after ``STOP_GRACE`` s is
-killed. A worker that raises ends the run with ``mp.ProcessRaisedException``.
+killed (``LATE_GRACE`` s once a worker missed an averaging round by the node's timeout).
+A worker that raises ends the run with ``mp.ProcessRaisedException``.
 
 Several nodes (``node=``, a ``Node`` of ``nodes.py``): the parent is its node's leader.
 Once every worker waits for the current averaging round (or is done), the leader averages
@@ -44,6 +45,7 @@ __all__ = ["train", "Result", "STARTUP_TIMEOUT", "STOP_GRACE"]
 
 STARTUP_TIMEOUT = 120.0    # seconds for every worker to be ready (spawn + import torch)
 STOP_GRACE = 10.0          # seconds for stopped workers to return before they are killed
+LATE_GRACE = 1.0           # the same for workers that missed an averaging round: stuck
 
 
 @dataclass
@@ -131,7 +133,7 @@ def train(model_factory: Callable[[], torch.nn.Module], data: Dataset, workers: 
             watch.run(pctx, epochs * len(order), label or f"{workers} worker{'s' * (workers > 1)}",
                       progress)
         except BaseException:                 # Ctrl-C, timeout, a worker that failed
-            _stop(pctx, board)
+            _stop(pctx, board, LATE_GRACE if watch.stuck else STOP_GRACE)
             raise
         finally:
             watch.close_bar()
@@ -188,6 +190,7 @@ class _Watch:
         self.curve: list[tuple[float, float]] = []     # (seconds since go, test accuracy)
         self.rounds: list[tuple[float, float, int]] = []
         self.bar: Any = None                           # a tqdm bar (or plain lines), or None
+        self.stuck = False                             # a worker missed an averaging round
 
     def accuracy(self) -> float:
         return accuracy(self.model, self.data.X_test, self.data.y_test)
@@ -258,6 +261,7 @@ class _Watch:
             return
         # The other nodes give up on this one after as long, in their all_reduce.
         late = np.flatnonzero((b.waiting <= len(self.rounds)) & (b.status != DONE))
+        self.stuck = True
         raise TimeoutError(
             f"node {node.rank}: worker(s) {', '.join(map(str, late))} did not reach averaging "
             f"round {len(self.rounds) + 1} within {node.timeout:.0f} s: a step hangs or "
@@ -311,11 +315,11 @@ def _wait_ready(pctx: mp.ProcessContext, board: Board, t_call: float,
             raise TimeoutError(f"the workers were not ready within {limit:.0f} s")
 
 
-def _stop(pctx: mp.ProcessContext, board: Board) -> None:
-    """Ask the workers to return, wait a little, kill what is left (by pid)."""
+def _stop(pctx: mp.ProcessContext, board: Board, grace: float) -> None:
+    """Ask the workers to return, wait ``grace`` s, kill what is left (by pid)."""
     board.go = -1 if board.go == 0 else board.go
     board.stop = True
-    deadline = time.monotonic() + STOP_GRACE
+    deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         try:
             if pctx.join(0.1):
