@@ -19,7 +19,7 @@ from sharedmp import host
 from sharedmp.memory import leftovers
 
 from _helpers import eventually
-from conftest import dev_shm_alone
+from conftest import dev_shm_alone, run_bounded
 
 TIMEOUT = 300
 # The module's tiny run (30 s alone) shares the CPUs with the other pytest worker (./dev test
@@ -77,13 +77,16 @@ def tiny_run(tmp_path_factory):
     seconds for them."""
     tmp = tmp_path_factory.mktemp("bench")
     out_json, out_png = tmp / "bench.json", tmp / "bench.png"
+    # (--timeout: a program of the run that hangs is ended by the bench and named "timeout"
+    # in the report, well before the run's own bound: 30 s here, minutes on a loaded CI)
     args = [sys.executable, "-m", "sharedmp", "bench", "--scale", "0.02", "--json", str(out_json),
-            "--workloads", NOT_DATASETS]
+            "--workloads", NOT_DATASETS, "--timeout", "240"]
     if HAVE_MPL:
         args += ["--plot", str(out_png)]
     with dev_shm_alone(True):        # no CPython suite meanwhile: /dev/shm as it was after
         before = shm_entries()
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT)
+        rc, out, err = run_bounded(args, 3 * TIMEOUT, what="the tiny bench run")
+        proc = subprocess.CompletedProcess(args, rc, out, err)
         deadline = time.monotonic() + 5
         while (left := left_in_dev_shm(before)) and time.monotonic() < deadline:
             time.sleep(0.1)
