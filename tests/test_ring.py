@@ -446,6 +446,38 @@ def test_hostile_header_midstream(impl, lie):
         r.close()
 
 
+HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+
+
+def test_a_timed_put_ends_near_its_timeout_on_a_crowded_cpu(impl):
+    """Before it sleeps, a waiting end spins, yielding the CPU between looks; on a CPU shared
+    with busy processes one yield can last a whole turn of them, so the clock is read after
+    each. (The compiled core read it every 64 yields: on a loaded machine a put(timeout=0.01)
+    lasted 0.7 s, and CI's state-machine test 120 s.) Six busy processes share this one's
+    CPU: a put with a 10 ms timeout on a full ring returns within 0.25 s (it took 0.6)."""
+    cpu = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    w = impl.create(4096)
+    while w.try_put(b"x" * 1000):
+        pass
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(cpu)]) for _ in range(6)]
+    try:
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.5)                        # (the hogs on their CPU)
+        took = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            assert w.put(b"x" * 1000, timeout=0.01) is False
+            took.append(time.perf_counter() - t0)
+        assert sorted(took)[2] < 0.25, took
+    finally:
+        os.sched_setaffinity(0, mine)
+        for h in hogs:
+            h.kill()
+            h.wait(TIMEOUT)
+        w.close()
+
+
 # -- Hypothesis: a model of the ring, one thread per side --------------------------------------
 class _Reader(threading.Thread):
     """Runs the reader's calls, one at a time, in a thread of its own."""

@@ -190,17 +190,21 @@ static int await_ready(Ring *self, uint64_t need, long long deadline)
             return 0;
         if (!spun && self->spin_ns > 0) {
             spun = 1;
-            int got = 0;
             long long start = t, end = deadline >= 0 && deadline < spin_end ? deadline : spin_end;
+            /* The clock is read every 64 pauses, and after every sched_yield: on a loaded
+               machine one yield can last a whole turn of the run queue (milliseconds). */
             Py_BEGIN_ALLOW_THREADS
-            for (unsigned i = 1; !got; i++) {
-                got = ready_shared(self, need);
-                if (got || ((i & 63) == 0 && (t = now_ns()) >= end))
-                    break;
-                if (t - start < PAUSE_NS)
+            for (unsigned i = 1; !ready_shared(self, need); i++) {
+                if (t - start < PAUSE_NS) {
                     relax();
-                else
+                    if ((i & 63) == 0)
+                        t = now_ns();
+                } else {
                     sched_yield();
+                    t = now_ns();
+                }
+                if (t >= end)
+                    break;
             }
             Py_END_ALLOW_THREADS
             continue;
