@@ -23,6 +23,7 @@ from typing import Any
 
 from .. import forks
 
+_ident = threading.get_ident
 _SLICE = 0.05           # s a waiter waits before it looks at the holder
 _STUCK = 5.0            # s held, no holder named, nothing moving: its holder died unnamed
 _PID_BITS = 22          # Linux's pid_max is at most 2**22
@@ -79,7 +80,8 @@ class ConsumerLock:
 
     def _setup(self) -> None:
         self._words = memoryview(self._shared).cast("B").cast("q")
-        self._mine: tuple[int, int] | None = None      # (word, thread) holding it, here
+        self._try = self._sem.acquire
+        self._mine = 0                  # the thread holding it, if this process does
 
     def __getstate__(self) -> tuple[Any, Any, Any]:
         return self._sem, self._takeover, self._shared
@@ -89,13 +91,13 @@ class ConsumerLock:
         self._setup()
 
     def acquire(self, block: bool = True, timeout: float | None = None) -> bool:
-        word = _my_word()
-        if not (self._sem.acquire(False) or self._wait(block, timeout)):
+        word = _me[0] or _my_word()
+        if not (self._try(False) or self._wait(block, timeout)):
             return False
         words = self._words
         words[1] += 1
         words[0] = word
-        self._mine = word, threading.get_ident()
+        self._mine = _ident()
         return True
 
     def _wait(self, block: bool, timeout: float | None) -> bool:
@@ -133,13 +135,13 @@ class ConsumerLock:
             self._takeover.release()
 
     def release(self) -> None:
-        self._mine = None
+        self._mine = 0
         self._words[0] = 0
         self._sem.release()
 
     def is_mine(self) -> bool:
         """Whether this thread of this process holds it."""
-        return self._mine == (_my_word(), threading.get_ident())
+        return self._mine == _ident() and self._words[0] == _my_word()
 
     def __enter__(self) -> bool:
         return self.acquire()
