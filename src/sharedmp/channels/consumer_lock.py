@@ -13,6 +13,7 @@ on. A holder killed in the instant between taking the semaphore and naming itsel
 unnaming itself and giving it back: a few bytecodes) names no one: when the lock has stayed
 taken, named by no one and with no hold counted, for ``_STUCK`` seconds, a waiter takes it
 over too (a live holder stopped for that long inside those bytecodes would then share it).
+Holders are looked up in /proc: the processes that share a queue share one pid namespace.
 """
 from __future__ import annotations
 
