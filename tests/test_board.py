@@ -7,6 +7,7 @@ producer killed mid-stream leaves nothing half-sent and frees its slot; more pro
 slots still deliver; the mapping a peer could corrupt is checked by both implementations.
 Every wait is bounded."""
 import errno
+import multiprocessing.connection
 import mmap
 import os
 import queue
@@ -623,3 +624,28 @@ def test_the_socket_ends_after_the_rings(impl):
     with pytest.raises(EOFError):
         q._reader.recv()
     q.close()
+
+
+def test_a_stale_wake_does_not_make_the_reader_ready():
+    """A producer writes the board's eventfd after its record; one delayed between the two
+    writes it after the record was taken, while the consumer waits again (a thread writes
+    that stale wake here, into a wait under way): multiprocessing.connection.wait does not
+    return the reader for it (concurrent.futures' manager thread would then recv() for ever,
+    CPython's test_gh105829 hung so on CI), and returns it for the next message."""
+    q = mp.get_context("fork").SimpleQueue()
+    r = q._reader
+    try:
+        q.put(1)
+        assert multiprocessing.connection.wait([r], timeout=TIMEOUT) == [r]
+        assert r.recv() == 1
+        late = threading.Timer(0.1, os.eventfd_write, (r._board._efd.fd, 1))
+        late.start()
+        t0 = time.monotonic()
+        assert multiprocessing.connection.wait([r], timeout=0.5) == []
+        assert time.monotonic() - t0 >= 0.5
+        late.join(TIMEOUT)
+        q.put(2)
+        assert multiprocessing.connection.wait([r], timeout=TIMEOUT) == [r]
+        assert r.recv() == 2
+    finally:
+        q.close()

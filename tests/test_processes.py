@@ -667,7 +667,7 @@ if __name__ == "__main__":
     q, lock = ctx.Queue(), ctx.Lock()        # named semaphores (sem.mp-*) in /dev/shm
     p = ctx.Process(target=time.sleep, args=(100,))
     p.start()
-    names = [s._semlock.name for s in (q._rlock, q._sem, lock)]
+    names = [s._semlock.name for s in (q._rlock._sem, q._rlock._takeover, q._sem, lock)]
     print("running", " ".join("sem." + n.lstrip("/") for n in names), flush=True)
     time.sleep(100)
 """
@@ -682,5 +682,5 @@ def test_a_program_past_its_bound_is_ended_leaving_no_semaphore(tmp_path):
     with pytest.raises(pytest.fail.Exception, match="did not finish within 5 s") as e:
         run_bounded([sys.executable, str(script)], 5)
     names = str(e.value).split("running ", 1)[1].split("\n", 1)[0].split()
-    assert len(names) == 3, str(e.value)
+    assert len(names) == 4, str(e.value)
     assert eventually(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in names)), names

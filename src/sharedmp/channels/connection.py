@@ -95,6 +95,7 @@ class Connection:
         """(queues.py) This end's messages go through ``board`` too; its consumers take
         turns under ``rlock``."""
         self._board, self._rlock = board.use(), rlock
+        _exact_wait_installed()
 
     def __repr__(self) -> str:
         state = "closed" if self._sock is None else f"fd={self._sock.fileno()}"
@@ -334,6 +335,37 @@ class Connection:
             if poller.poll(0):
                 return True
         return False
+
+
+# -- multiprocessing.connection.wait, exact for a queue's reader ----------------------------
+# A reader's fileno() (board.arm) is readable once the board's eventfd is written, and a
+# producer writes it after its record: one delayed between the two (descheduled) can write
+# it after the consumer took that record and armed again. multiprocessing.connection.wait
+# would then return the reader with nothing to read, and a recv() after it (concurrent.
+# futures' manager thread does that) would wait for a message that may never come. So once
+# a queue with a board exists, multiprocessing.connection.wait is this one: a reader it
+# found ready counts only if a take would find something; else the wait goes on (its arm
+# drains the stale wake). select() on fileno() stays a hint.
+_std_wait: Callable[..., list[Any]] | None = None
+
+
+def _exact_wait(object_list: Any, timeout: float | None = None) -> list[Any]:
+    assert _std_wait is not None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = _std_wait(object_list, left)
+        real = [o for o in ready if not (isinstance(o, Connection) and o._board is not None
+                                         and o._readable and not o._board.ready(o._sock_ready))]
+        if real or not ready or (deadline is not None and time.monotonic() >= deadline):
+            return real
+
+
+def _exact_wait_installed() -> None:
+    global _std_wait
+    if _std_wait is None:
+        import multiprocessing.connection as mpc
+        _std_wait, mpc.wait = mpc.wait, _exact_wait
 
 
 def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:

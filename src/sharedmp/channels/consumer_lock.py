@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from .. import forks
+from .. import forks, host
 
 _ident = threading.get_ident
 _SLICE = 0.05           # s a waiter waits before it looks at the holder
@@ -32,15 +32,8 @@ _PID_BITS = 22          # Linux's pid_max is at most 2**22
 
 def _start_time(pid: int) -> int | None:
     """The start time of ``pid`` (clock ticks after boot), or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    stat = host.proc_stat(pid)
+    return stat.start if stat is not None and stat.alive else None
 
 
 def _word(pid: int, start: int) -> int:
