@@ -15,7 +15,7 @@ import sharedmp as mp
 from sharedmp.channels import consumer_lock
 from sharedmp.channels.consumer_lock import ConsumerLock
 
-from conftest import TIMEOUT, join_or_kill
+from conftest import TIMEOUT, join_or_kill, start_process
 
 ctx = mp.get_context("fork")
 
@@ -30,8 +30,7 @@ def _hold(lock, ready, raw):
 
 def _killed_holding(lock, raw=False):
     ready = ctx.Event()
-    p = ctx.Process(target=_hold, args=(lock, ready, raw), daemon=True)
-    p.start()
+    p = start_process(ctx, _hold, lock, ready, raw)
     assert ready.wait(TIMEOUT)
     os.kill(p.pid, signal.SIGKILL)
     p.join(TIMEOUT)
@@ -88,8 +87,7 @@ def test_a_holder_killed_before_it_named_itself(monkeypatch):
 def test_a_live_holder_is_never_taken_over():
     lock = ConsumerLock(ctx)
     ready = ctx.Event()
-    p = ctx.Process(target=_hold, args=(lock, ready, False), daemon=True)
-    p.start()
+    p = start_process(ctx, _hold, lock, ready, False)
     try:
         assert ready.wait(TIMEOUT)
         assert not lock.acquire(timeout=1.0)
@@ -144,8 +142,7 @@ def test_a_queue_outlives_consumers_killed_at_any_moment(monkeypatch, rings):
     q = ctx.Queue()
     rng = random.Random(7)
     for i in range(60):
-        p = ctx.Process(target=_consume, args=(q,), daemon=True)
-        p.start()
+        p = start_process(ctx, _consume, q)
         time.sleep(rng.uniform(0.005, 0.03))
         os.kill(p.pid, signal.SIGKILL)
         p.join(TIMEOUT)
