@@ -9,6 +9,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -107,6 +108,28 @@ def test_attach_fd_maps_a_sealed_memfd_once_and_releases_it():
     del a
     gc.collect()
     assert fds_on(key), "a small received segment stays among the recent ones"
+    segment.forget_recent()
+    gc.collect()
+    assert not fds_on(key) and not _mapped(key)
+
+
+def test_a_mapping_holds_the_fds_that_doctor_counts():
+    """A received segment holds its own fd, and before 3.13 the dup Python's mmap keeps; from
+    3.13 the mapping is made without that dup (trackfd=False). ``held_by`` (doctor's and the
+    caches' fd figures) says the same."""
+    fd = _foreign_memfd(16384, SEALS)
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    try:
+        mm = segment.attach_fd(fd)
+    finally:
+        os.close(fd)
+    seg = segment.segment_of(mm)
+    per_mapping = 2 if sys.version_info < (3, 13) else 1
+    assert len(fds_on(key)) == per_mapping == segment.held_by([seg])[1]
+    mm[:4] = b"abcd"                                           # (still mapped, read and write)
+    assert os.pread(seg.fd, 4, 0) == b"abcd"
+    del mm
     segment.forget_recent()
     gc.collect()
     assert not fds_on(key) and not _mapped(key)

@@ -196,7 +196,7 @@ def stray_segment_fds():
         try:
             if seg is not None and seg.fd >= 0:
                 st = os.fstat(seg.fd)
-            elif seg is not None and seg.path:    # named: the fd is the mmap's own dup
+            elif seg is not None and seg.path:    # named: no fd of its own (mmap's, <3.13)
                 st = os.stat(seg.path)
             else:
                 continue

@@ -159,8 +159,11 @@ def _held_mapped():
         return held_by(list(_by_key.values()))
 
 
-# Python's mmap keeps a dup of the fd it maps until 3.13 (trackfd): one more fd per mapping.
-_FDS_PER_MAPPING = 1 if sys.version_info < (3, 13) else 0
+# Python's mmap keeps a dup of the fd it maps, one more fd per mapping, unless (3.13 and
+# later) told not to: ``trackfd=False`` (map_fd), since nothing here asks a mapping for its
+# size or resizes it (the two things that need the fd).
+_TRACKFD: dict[str, bool] = {} if sys.version_info < (3, 13) else {"trackfd": False}
+_FDS_PER_MAPPING = 0 if _TRACKFD else 1
 
 
 def held_by(segments: list[Segment]) -> tuple[int, int]:
@@ -301,11 +304,10 @@ def live_segments() -> list[Segment]:
 
 
 def map_fd(fd: int, size: int, private: bool = False) -> mmap.mmap:
-    # Python's mmap keeps a dup of the fd for as long as the mapping lives (3.13 adds
-    # trackfd=False to avoid it); the segment's own fd stays with the Segment. ``private``:
-    # copy-on-write (a sealed segment: ``create_sealed``).
+    # The segment's own fd stays with the Segment; before 3.13 the mapping holds a dup of it
+    # too (``_TRACKFD``). ``private``: copy-on-write (a sealed segment: ``create_sealed``).
     return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE if private else mmap.MAP_SHARED,
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE, **_TRACKFD)
 
 
 def reserve(fd: int, size: int, what: str, hint: str) -> None:
