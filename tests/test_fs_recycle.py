@@ -54,8 +54,15 @@ def listed(d):
 
 
 def pooled(d):
-    """The segments in the pool directories of ``d``."""
-    return sorted(n for p in leftovers.pool_dirs(d) for n in os.listdir(p))
+    """The segments in the pool directories of ``d`` (one the daemon removes while this looks
+    has none)."""
+    out = []
+    for p in leftovers.pool_dirs(d):
+        try:
+            out += os.listdir(p)
+        except FileNotFoundError:
+            pass
+    return sorted(out)
 
 
 def ino(a):
