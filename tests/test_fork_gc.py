@@ -4,8 +4,10 @@ $SHAREDMP_FREEZE_FORKED=1 for every fork child, and torch DataLoader workers sta
 through a sharedmp context. Real processes; every wait bounded, children killed by the
 leak fixture if a test fails."""
 import gc
+import importlib
 import multiprocessing
 import os
+import pkgutil
 import sys
 import threading
 
@@ -169,3 +171,64 @@ def test_threads_forking_at_once_leave_the_collector_as_it_was():
         sys.setswitchinterval(interval)
     assert not any(t.is_alive() for t in threads)
     assert gc.isenabled() and not failures
+
+
+# Locks the forking thread takes itself, in the parent's before-fork hooks: another thread
+# holding one would hold up the fork, not the child (they are renewed in the child too).
+_TAKEN_BY_THE_FORK = {("sharedmp.forks", "_forking_lock"), ("sharedmp.memory.named", "_fork_gate"),
+                      ("sharedmp.memory.manager", "_lock")}
+
+
+def _module_locks():
+    """(module, name) of the module-level locks of every sharedmp module that imports here."""
+    kinds = (type(threading.Lock()), type(threading.RLock()))
+    out = []
+    for info in pkgutil.walk_packages(mp.__path__, "sharedmp."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except Exception:          # (an optional library missing: nothing of it runs here)
+            continue
+        out += [(module, name) for name, value in vars(module).items()
+                if isinstance(value, kinds) and (info.name, name) not in _TAKEN_BY_THE_FORK]
+    return out
+
+
+def test_a_lock_another_thread_holds_at_a_fork_is_free_in_the_child():
+    """A module-level lock that another thread holds at a fork would stay held in the child
+    for ever (the thread is not there to release it): each is renewed (forks.renew_locks).
+    ring._fence_lock was not (a producer's fence in a thread beside a fork)."""
+    locks = _module_locks()
+    assert len(locks) >= 10, locks
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        taken = [getattr(module, name) for module, name in locks]
+        for lock in taken:
+            lock.acquire()
+        held.set()
+        release.wait(TIMEOUT)
+        for lock in taken:
+            lock.release()
+
+    def child():
+        stuck = [f"{m.__name__}.{n}" for m, n in locks if not getattr(m, n).acquire(timeout=1)]
+        if stuck:
+            print("held in the forked child:", stuck, file=sys.stderr, flush=True)
+        return not stuck
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()                  # (no finalizer of ours in this thread while they are held)
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(TIMEOUT)
+        code = fork_and_wait(child, timeout=30)
+    finally:
+        release.set()
+        t.join(TIMEOUT)
+        if was:
+            gc.enable()
+    assert code == 0

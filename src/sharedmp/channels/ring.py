@@ -110,6 +110,9 @@ def _fence() -> None:
     _fence_lock.release()
 
 
+forks.renew_locks(globals(), "_fence_lock")   # (a thread may hold it at a fork)
+
+
 def _drain(fd: int) -> None:
     if fd < 0:
         return
