@@ -9,6 +9,7 @@ The leak check fails a test that leaves behind, once it has ended:
 - an fd of this process that was not open before and points to a sharedmp segment.
 """
 import contextlib
+import faulthandler
 import fcntl
 import gc
 import multiprocessing
@@ -247,11 +248,13 @@ def group_gone(pgid, wait=10):
 def fork_and_wait(child, timeout=TIMEOUT, meanwhile=None):
     """Run ``child()`` in a raw os.fork() child (the ``forks.in_child`` hooks run): its exit
     status, 0 if it returned true, 2 if false, 1 if it raised (bounded: killed after
-    ``timeout`` s, and the test fails). ``meanwhile()`` runs in the parent once forked."""
+    ``timeout`` s, and the test fails, with where the child's threads were on its stderr).
+    ``meanwhile()`` runs in the parent once forked."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)    # (see _dump_and_kill)
             code = 0 if child() else 2
         finally:
             os._exit(code)
@@ -268,10 +271,20 @@ def fork_and_wait(child, timeout=TIMEOUT, meanwhile=None):
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"forked child deadlocked (no exit in {timeout} s)", pytrace=False)
+            _dump_and_kill(pid)
+            pytest.fail(f"forked child deadlocked (no exit in {timeout} s; its threads' "
+                        "tracebacks are in the captured stderr)", pytrace=False)
         time.sleep(0.01)
+
+
+def _dump_and_kill(pid):
+    """SIGUSR1 to a stuck forked child (its faulthandler writes every thread's traceback to
+    the test's stderr: where it waits), then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(1)
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 def join_or_kill(proc, timeout=TIMEOUT):

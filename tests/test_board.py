@@ -561,22 +561,7 @@ class QueueModel(RuleBasedStateMachine):
             assert time.monotonic() < deadline
             time.sleep(0.001)
         items = self._items(2, n)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                for item in items:
-                    self.q.put(item)
-                code = 0
-            finally:
-                os._exit(code)
-        deadline = time.monotonic() + TIMEOUT
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                raise AssertionError("a child's puts did not end")
-            time.sleep(0.005)
+        assert fork_and_wait(lambda: [self.q.put(item) for item in items]) == 0
 
     @rule(n=st.integers(1, 90))
     def get(self, n):
