@@ -59,6 +59,7 @@ or wait on a channel; named: the daemon unlinks it once no one else holds it).
 import collections
 import fcntl
 import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -254,9 +255,8 @@ def expire(cutoff):
 
 
 def _held():
-    from .segment import _FDS_PER_MAPPING     # (segment imports this module)
-    with _lock:       # (+ the mapping's own fd where it keeps one: segment.map_fd)
-        return _total, sum((e[2] is not None) + _FDS_PER_MAPPING for e in _entries)
+    with _lock:       # (+ mmap's own dup of the fd before 3.13)
+        return _total, sum((e[2] is not None) + (sys.version_info < (3, 13)) for e in _entries)
 
 
 cache.register(2, "pool", expire, _held)
